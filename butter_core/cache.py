@@ -1,0 +1,245 @@
+"""The layer-cache contract every KV cache scheme honours.
+
+Two levels:
+
+* :class:`LayerCache` is what a model's attention layer talks to: one call per layer
+  per forward, ``update_and_attend(queries, keys, values, scale=...)``, plus
+  ``absolute_position`` for the next token's RoPE. Eviction decorators implement it.
+* :class:`SlotCache` is what a scheme author subclasses: storage addressed by slot
+  (``store`` rows, ``load`` the live slots, export/import them). The base class turns
+  those primitives into the whole ``LayerCache`` API, so a scheme writes storage code
+  only and may override ``attention`` with a fused kernel.
+
+Shapes follow MLX: keys and values ``[batch, n_kv_heads, tokens, head_dim]``, queries
+``[batch, n_q_heads, tokens, head_dim]`` with ``n_q_heads`` a multiple of ``n_kv_heads``.
+Keys arrive with RoPE already applied at their absolute positions, so attention over
+stored slots does not depend on slot order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import attrs
+import mlx.core as mx
+
+from butter_core.errors import ConfigError
+
+Mask = None | Literal["causal"] | mx.array
+"""Which stored slots each query sees: None (all live slots), "causal" (the last
+``tokens`` slots are the queries themselves, aligned bottom-right) or a boolean array
+broadcastable to ``[batch, n_q_heads, tokens, length]``."""
+
+
+@attrs.frozen
+class LayerSpec:
+    """What a scheme needs to size one attention layer's cache."""
+
+    n_kv_heads: int
+    head_dim: int
+    max_positions: int
+    dtype: mx.Dtype = mx.float16
+    layer_index: int = 0
+    batch_size: int = 1
+
+    def __attrs_post_init__(self):
+        for name in ("n_kv_heads", "head_dim", "max_positions", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"LayerSpec.{name} must be a positive integer, got {value!r}")
+
+    def with_max_positions(self, max_positions: int) -> LayerSpec:
+        """The same layer with another capacity (eviction decorators shrink it)."""
+        return attrs.evolve(self, max_positions=max_positions)
+
+
+def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask = None) -> mx.array:
+    """Plain attention in float32 with GQA, the yardstick every scheme is checked against."""
+    q = queries.astype(mx.float32)
+    b, n_q, t, d = q.shape
+    n_kv, length = keys.shape[1], keys.shape[2]
+    q = q.reshape(b, n_kv, n_q // n_kv, t, d)
+    k = keys.astype(mx.float32)[:, :, None]
+    v = values.astype(mx.float32)[:, :, None]
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        mask = mx.arange(length)[None] <= (mx.arange(t)[:, None] + length - t)
+    if mask is not None:
+        mask = mx.broadcast_to(mask, (b, n_q, t, length)).reshape(b, n_kv, n_q // n_kv, t, length)
+        scores = mx.where(mask, scores, -mx.inf)
+    out = mx.softmax(scores, axis=-1) @ v
+    return out.reshape(b, n_q, t, d)
+
+
+class LayerCache(ABC):
+    """One attention layer's KV cache as a model sees it."""
+
+    spec: LayerSpec
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Live positions: how many keys the next attention call reads."""
+
+    @property
+    @abstractmethod
+    def absolute_position(self) -> int:
+        """Positions appended so far, never decreasing under eviction: the next token's RoPE offset."""
+
+    @abstractmethod
+    def update_and_attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float) -> mx.array:
+        """Append ``keys``/``values`` (``tokens`` new positions) and return attention for ``queries``.
+
+        Each query token attends causally: to every live position up to and including
+        its own, exactly as if the tokens had arrived one at a time.
+        """
+
+    @abstractmethod
+    def prepare_for_attention(self) -> tuple[mx.array, mx.array]:
+        """Keys and values of the live positions, materialised in the model dtype."""
+
+    @property
+    @abstractmethod
+    def nbytes_allocated(self) -> int:
+        """Bytes of device memory this cache holds now."""
+
+    @property
+    @abstractmethod
+    def nbytes_live(self) -> int:
+        """Bytes that encode the live positions (equal to the nbytes of ``state()``)."""
+
+    @abstractmethod
+    def state(self) -> dict[str, mx.array]:
+        """The live contents as arrays, for saving and prefix caching."""
+
+    @abstractmethod
+    def meta_state(self) -> dict[str, int | str]:
+        """Scalars that go with ``state()`` (positions, window parameters...)."""
+
+    @abstractmethod
+    def restore(self, state: dict[str, mx.array], meta: dict[str, int | str]) -> None:
+        """Replace the contents with an exported ``state()``/``meta_state()`` of an equal cache."""
+
+    @abstractmethod
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions; returns how many were dropped."""
+
+    @abstractmethod
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Append ``tokens`` positions without attending (prefix filling, tests)."""
+
+
+class SlotCache(LayerCache):
+    """Base for a scheme's storage: rows addressed by slot, live slots ``[0, length)``.
+
+    A subclass implements ``store``, ``load``, ``export_slots``, ``import_slots`` and
+    ``buffers``; it may override ``attention`` (a fused decode kernel) and
+    ``truncate``. With no eviction, slot ``i`` holds position ``i``.
+    """
+
+    def __init__(self, spec: LayerSpec):
+        self.spec = spec
+        self._length = 0
+
+    # -- what a scheme implements -------------------------------------------------
+
+    @abstractmethod
+    def store(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Write ``tokens`` rows into slots ``[start, start + tokens)``, re-encoding from scratch.
+
+        ``start <= length`` and ``start + tokens <= capacity`` are guaranteed by the caller.
+        """
+
+    @abstractmethod
+    def load(self, length: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of slots ``[0, length)`` in the model dtype."""
+
+    @abstractmethod
+    def export_slots(self, length: int) -> dict[str, mx.array]:
+        """The encoded contents of slots ``[0, length)``, as compact arrays."""
+
+    @abstractmethod
+    def import_slots(self, arrays: dict[str, mx.array], length: int) -> None:
+        """Inverse of ``export_slots``: make slots ``[0, length)`` hold ``arrays``."""
+
+    @abstractmethod
+    def buffers(self) -> list[mx.array]:
+        """Every array this cache keeps allocated (for byte accounting)."""
+
+    @property
+    @abstractmethod
+    def bytes_per_slot(self) -> int:
+        """Encoded bytes of one position across heads and batch, K and V together."""
+
+    def attention(self, queries: mx.array, *, scale: float, mask: Mask) -> mx.array:
+        """Attention of ``queries`` over the live slots; schemes override with fused kernels."""
+        keys, values = self.load(self._length)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    # -- the LayerCache API, built on the primitives ----------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.spec.max_positions
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def absolute_position(self) -> int:
+        return self._length
+
+    def write(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Store rows at slots ``[start, start + tokens)``; used by ``append`` and eviction decorators."""
+        tokens = keys.shape[2]
+        if start < 0 or start > self._length:
+            raise IndexError(f"write at slot {start} would leave a gap: live slots are [0, {self._length})")
+        if start + tokens > self.capacity:
+            raise ConfigError(
+                f"layer {self.spec.layer_index}: {start + tokens} positions exceed the cache capacity "
+                f"{self.capacity}; raise max_context_length or use window eviction (--kv-window-size)"
+            )
+        self.store(start, keys, values)
+        self._length = max(self._length, start + tokens)
+
+    def append(self, keys, values):
+        self.write(self._length, keys, values)
+
+    def update_and_attend(self, queries, keys, values, *, scale):
+        self.append(keys, values)
+        return self.attention(queries, scale=scale, mask="causal" if queries.shape[2] > 1 else None)
+
+    def prepare_for_attention(self):
+        return self.load(self._length)
+
+    @property
+    def nbytes_allocated(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers())
+
+    @property
+    def nbytes_live(self) -> int:
+        return self._length * self.bytes_per_slot
+
+    def state(self):
+        return self.export_slots(self._length)
+
+    def meta_state(self):
+        return {"length": self._length}
+
+    def restore(self, state, meta):
+        length = int(meta["length"])
+        if length > self.capacity:
+            raise ConfigError(f"restored state holds {length} positions; this cache holds at most {self.capacity}")
+        self.import_slots(state, length)
+        self._length = length
+
+    def truncate(self, length: int) -> None:
+        """Forget slots ``[length, ...)``; storage may keep stale bytes there (``store`` re-encodes)."""
+        self._length = length
+
+    def trim(self, n):
+        n = max(0, min(n, self._length))
+        self.truncate(self._length - n)
+        return n

@@ -1,0 +1,21 @@
+"""Exceptions butter raises for bad input. Each message names what was wrong and what is valid."""
+
+
+class ButterError(Exception):
+    """Base class of every error butter raises on purpose."""
+
+
+class ConfigError(ButterError, ValueError):
+    """A configuration value (a cache kind, an eviction policy, a load option) is invalid."""
+
+
+class UnknownSchemeError(ConfigError):
+    """A KV cache scheme was asked for that no installed plugin provides."""
+
+
+class PluginError(ButterError):
+    """A plugin could not be loaded or registered."""
+
+
+class ModelLoadError(ButterError):
+    """A model, its weights, its config or its tokenizer could not be loaded."""
