@@ -72,6 +72,17 @@ def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, *, 
     return out.reshape(b, n_q, t, d)
 
 
+def attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask = None) -> mx.array:
+    """MLX's fused attention, computed in the wider of the query and key dtypes, returned in the queries' dtype."""
+    if keys.dtype == queries.dtype:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    wide = mx.float32 if keys.dtype.size == queries.dtype.size else max(queries.dtype, keys.dtype, key=lambda d: d.size)
+    out = mx.fast.scaled_dot_product_attention(
+        queries.astype(wide), keys.astype(wide), values.astype(wide), scale=scale, mask=mask
+    )
+    return out.astype(queries.dtype)
+
+
 class LayerCache(ABC):
     """One attention layer's KV cache as a model sees it."""
 
@@ -97,7 +108,7 @@ class LayerCache(ABC):
 
     @abstractmethod
     def prepare_for_attention(self) -> tuple[mx.array, mx.array]:
-        """Keys and values of the live positions, materialised in the model dtype."""
+        """Keys and values of the live positions, materialised as floats (the storage's float dtype)."""
 
     @property
     @abstractmethod
@@ -153,7 +164,7 @@ class SlotCache(LayerCache):
 
     @abstractmethod
     def load(self, length: int) -> tuple[mx.array, mx.array]:
-        """Keys and values of slots ``[0, length)`` in the model dtype."""
+        """Keys and values of slots ``[0, length)`` as floats (the model dtype, or wider)."""
 
     @abstractmethod
     def export_slots(self, length: int) -> dict[str, mx.array]:
@@ -173,9 +184,9 @@ class SlotCache(LayerCache):
         """Encoded bytes of one position across heads and batch, K and V together."""
 
     def attention(self, queries: mx.array, *, scale: float, mask: Mask) -> mx.array:
-        """Attention of ``queries`` over the live slots; schemes override with fused kernels."""
+        """Attention of ``queries`` over the live slots, in the queries' dtype; schemes override with fused kernels."""
         keys, values = self.load(self._length)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return attend(queries, keys, values, scale=scale, mask=mask)
 
     # -- the LayerCache API, built on the primitives ----------------------------
 

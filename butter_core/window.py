@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.cache import LayerCache, SlotCache
+from butter_core.cache import LayerCache, SlotCache, attend
 from butter_core.config import Window
 from butter_core.errors import ConfigError
 from butter_core.hookspecs import hookimpl
@@ -93,7 +93,7 @@ class WindowCache(LayerCache):
         key_pos = mx.concatenate([self.slot_positions(), first + mx.arange(tokens)])
         query_pos = (first + mx.arange(tokens))[:, None]
         visible = (key_pos <= query_pos) & ((key_pos < self.window.keep) | (key_pos > query_pos - self.window.ring_size))
-        out = mx.fast.scaled_dot_product_attention(
+        out = attend(
             queries,
             mx.concatenate([stored_k, keys.astype(stored_k.dtype)], axis=2),
             mx.concatenate([stored_v, values.astype(stored_v.dtype)], axis=2),

@@ -1,0 +1,32 @@
+"""The ``butter`` command line: each subcommand is a module with ``add_parser`` and ``run``.
+
+Text goes to stdout, progress and errors to stderr. Exit codes: 0 on success, 2 on
+usage errors and bad input (a one-line message, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from butter_core.cli import plugins_cmd
+from butter_core.errors import ButterError
+
+COMMANDS = [plugins_cmd]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="butter", description="MLX LLM inference with pluggable KV caches")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except ButterError as exc:
+        print(f"butter {args.command}: error: {exc}", file=sys.stderr)
+        return 2

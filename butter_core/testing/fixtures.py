@@ -1,0 +1,62 @@
+"""Fixtures a scheme provides to the conformance suite, and the flags that skip what it does not claim."""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import pytest
+
+from butter_core.cache import LayerSpec
+from butter_core.config import CacheKind
+
+
+@attrs.frozen
+class Capabilities:
+    """What a scheme claims; checks of an unclaimed capability are skipped, not failed."""
+
+    trim: bool = True
+    state: bool = True
+    window: bool = True
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+
+class SchemeFixtures:
+    """The fixtures a conformance subclass must provide, and shared helpers.
+
+    ``scheme`` (class attribute): the registered scheme name under test.
+    """
+
+    scheme: str = ""
+
+    @pytest.fixture
+    def cache_kind(self) -> CacheKind:
+        """The ``CacheKind`` under test (parametrize the fixture to cover several)."""
+        raise NotImplementedError("provide a cache_kind fixture returning the CacheKind to check")
+
+    @pytest.fixture
+    def attention_tolerance(self, cache_kind, dtype) -> float:
+        """Largest allowed ‖out − ref‖ / ‖ref‖ of attention output against fp32 attention
+        over the original (unencoded) keys and values, for ``cache_kind`` in ``dtype``."""
+        raise NotImplementedError("provide attention_tolerance(cache_kind, dtype) -> relative error bound")
+
+    @pytest.fixture
+    def invalid_kinds(self) -> list:
+        """Zero-argument callables that must each raise ``ConfigError`` (bad bits, group sizes...)."""
+        raise NotImplementedError("provide invalid_kinds: callables that build invalid kinds")
+
+    @pytest.fixture
+    def capabilities(self) -> Capabilities:
+        """What the scheme supports; defaults to everything."""
+        return Capabilities()
+
+    @pytest.fixture(params=["float32", "float16", "bfloat16"])
+    def dtype(self, request, capabilities) -> mx.Dtype:
+        """The model dtype the caches are created for."""
+        if request.param not in capabilities.dtypes:
+            pytest.skip(f"{self.scheme} does not claim dtype {request.param}")
+        return getattr(mx, request.param)
+
+    @pytest.fixture
+    def layer_spec(self, dtype) -> LayerSpec:
+        """A small GQA-shaped layer: 2 KV heads of 64 dims, 256 positions."""
+        return LayerSpec(n_kv_heads=2, head_dim=64, max_positions=256, dtype=dtype)
