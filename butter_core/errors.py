@@ -19,3 +19,7 @@ class PluginError(ButterError):
 
 class ModelLoadError(ButterError):
     """A model, its weights, its config or its tokenizer could not be loaded."""
+
+
+class ChatTemplateError(ButterError, ValueError):
+    """A model's chat template rejected the messages, or failed to render them."""
