@@ -6,12 +6,9 @@ import mlx.core as mx
 
 from butter_core.cache import LayerSpec, reference_attention
 from butter_core.config import Window
+from butter_core.kernels.checks import relative_error
 
-
-def relative_error(out: mx.array, ref: mx.array) -> float:
-    """‖out − ref‖ / ‖ref‖ in float32."""
-    out, ref = out.astype(mx.float32), ref.astype(mx.float32)
-    return (mx.linalg.norm((out - ref).flatten()) / mx.linalg.norm(ref.flatten())).item()
+__all__ = ["ReferenceCache", "random_chunk", "relative_error"]
 
 
 def random_chunk(spec: LayerSpec, tokens: int, n_q_heads: int, key: mx.array):

@@ -1,0 +1,23 @@
+"""The kernel layer: write a kernel body once, run it as a Metal or CUDA MLX kernel.
+
+- ``backend``: which GPU backend this process has.
+- ``dialect``: the vocabulary kernel bodies are written in, per backend.
+- ``kernel``: ``Kernel``, a lazily built custom kernel, and output poisoning.
+- ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
+"""
+
+from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend
+from butter_core.kernels.checks import CheckResult, KernelCheck, relative_error
+from butter_core.kernels.kernel import Kernel, KernelUnavailableError, poisoned_outputs
+
+__all__ = [
+    "Backend",
+    "CheckResult",
+    "Kernel",
+    "KernelCheck",
+    "KernelUnavailableError",
+    "default_device_is_gpu",
+    "gpu_backend",
+    "poisoned_outputs",
+    "relative_error",
+]

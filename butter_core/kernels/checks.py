@@ -1,0 +1,95 @@
+"""`KernelCheck`: how a scheme declares that a kernel matches its pure-mx reference.
+
+Every scheme lists one ``KernelCheck`` per kernel it ships; the conformance suite and
+the GPU bench scripts iterate those lists, build inputs, run kernel and reference on the
+same inputs (with poisoned kernel outputs) and compare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from butter_core.kernels.kernel import poisoned_outputs
+
+Inputs = dict[str, Any]
+
+DEFAULT_RTOL: Mapping[mx.Dtype, float] = {
+    mx.float32: 1e-5,
+    mx.float16: 2e-3,
+    mx.bfloat16: 1e-2,
+}
+"""Bound on ``relative_error`` by output dtype: a few roundings to that dtype."""
+
+
+def relative_error(out: mx.array, ref: mx.array) -> float:
+    """‖out − ref‖ / ‖ref‖ in float32 (NaN anywhere in ``out`` gives NaN)."""
+    out32 = out.astype(mx.float32)
+    ref32 = ref.astype(mx.float32)
+    num = mx.linalg.norm((out32 - ref32).reshape(-1))
+    den = mx.maximum(mx.linalg.norm(ref32.reshape(-1)), mx.array(1e-30))
+    return (num / den).item()
+
+
+@attrs.frozen
+class CheckResult:
+    """The outcome of one kernel-versus-reference comparison."""
+
+    name: str
+    sizes: Mapping[str, Any]
+    relative_error: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        # NaN compares false, so unwritten (poisoned) outputs fail.
+        return self.relative_error <= self.tolerance
+
+
+@attrs.frozen
+class KernelCheck:
+    """A kernel, its reference, and how to make inputs for both.
+
+    ``kernel`` and ``reference`` take the same keyword arguments, which
+    ``make_inputs(seed, **sizes)`` returns as a dict; ``cases`` are the size sets a
+    conformance run covers (each may hold a ``dtype``). ``rtol`` bounds the relative
+    error per output dtype.
+    """
+
+    name: str
+    kernel: Callable[..., mx.array]
+    reference: Callable[..., mx.array]
+    make_inputs: Callable[..., Inputs]
+    cases: tuple[Mapping[str, Any], ...]
+    rtol: Mapping[mx.Dtype, float] = DEFAULT_RTOL
+
+    def run_kernel(self, inputs: Inputs) -> mx.array:
+        """The kernel's output for ``inputs``, evaluated, with poisoned outputs."""
+        with poisoned_outputs():
+            out = self.kernel(**inputs)
+            mx.eval(out)
+        return out
+
+    def run_reference(self, inputs: Inputs) -> mx.array:
+        """The reference's output for ``inputs``, evaluated on the CPU, where float32
+        matmuls are true float32 (MLX's CUDA matmuls default to TF32, whose ~1e-3
+        relative error would swamp a float32 kernel's)."""
+        with mx.stream(mx.cpu):
+            out = self.reference(**inputs)
+            mx.eval(out)
+        return out
+
+    def check(self, seed: int = 0, **sizes: Any) -> CheckResult:
+        """Compare kernel and reference on fresh random inputs of the given sizes."""
+        inputs = self.make_inputs(seed, **sizes)
+        ref = self.run_reference(inputs)
+        out = self.run_kernel(inputs)
+        return CheckResult(
+            name=self.name,
+            sizes=dict(sizes),
+            relative_error=relative_error(out, ref),
+            tolerance=self.rtol[ref.dtype],
+        )

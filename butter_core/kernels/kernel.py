@@ -1,0 +1,154 @@
+"""`Kernel`: one dialect body, built lazily as an MLX Metal or CUDA custom kernel."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from butter_core.kernels.backend import Backend, gpu_backend
+from butter_core.kernels.dialect import kernel_header, kernel_source
+
+TemplateArg = tuple[str, "bool | int | mx.Dtype"]
+
+_POISON = contextvars.ContextVar("butter_poison_outputs", default=False)
+
+# MLX caches compiled CUDA kernels by name (and template values) for the whole
+# process, so two different sources under one name would silently share a binary.
+_DEFINED: dict[str, tuple[str, str]] = {}
+
+
+class KernelUnavailableError(RuntimeError):
+    """Raised when a kernel is called where it cannot run (no GPU backend, or a
+    feature the backend's MLX custom kernels lack)."""
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Within this block, kernel outputs start as NaN instead of whatever memory held,
+    so a kernel that leaves part of an output unwritten is caught by a comparison.
+    Calls that pass their own ``init_value`` keep it."""
+    token = _POISON.set(True)
+    try:
+        yield
+    finally:
+        _POISON.reset(token)
+
+
+class Kernel:
+    """A custom GPU kernel whose body is written once in the butter dialect.
+
+    ``body`` is the inside of the kernel function (see ``butter_core.kernels.dialect``
+    for the vocabulary and for the signature MLX generates from ``input_names`` and
+    ``output_names``); ``helpers`` is extra header code (device functions, written with
+    ``BT_FUNC``). ``shared_memory`` is bytes of dynamic shared memory, which only MLX's
+    CUDA kernels support. Nothing is compiled until the first call; MLX then compiles
+    once per distinct ``template``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+        body: str,
+        *,
+        helpers: str = "",
+        shared_memory: int = 0,
+    ) -> None:
+        if _DEFINED.setdefault(name, (body, helpers)) != (body, helpers):
+            raise ValueError(
+                f"kernel name {name!r} is already used by a different kernel; MLX caches "
+                "compiled kernels by name, so kernel names must be unique"
+            )
+        self.name = name
+        self.input_names = tuple(input_names)
+        self.output_names = tuple(output_names)
+        self.body = body
+        self.helpers = helpers
+        self.shared_memory = shared_memory
+        self._built: dict[Backend, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r}, inputs={self.input_names}, outputs={self.output_names})"
+
+    def source(self, backend: Backend) -> str:
+        """The function-body source handed to MLX for ``backend``."""
+        return kernel_source(backend, self.body)
+
+    def header(self, backend: Backend) -> str:
+        """The header source handed to MLX for ``backend``."""
+        return kernel_header(backend, self.helpers)
+
+    def unavailable_reason(self) -> str | None:
+        """Why this kernel cannot run here, or None when it can."""
+        backend = gpu_backend()
+        if backend is None:
+            return (
+                f"kernel {self.name!r} needs a GPU backend (Metal or CUDA); this MLX has "
+                "neither — use the kernel's pure-mx reference on the CPU"
+            )
+        if backend == "metal" and self.shared_memory:
+            return (
+                f"kernel {self.name!r} asks for dynamic shared memory, which "
+                "mx.fast.metal_kernel does not support"
+            )
+        return None
+
+    def available(self) -> bool:
+        """Whether this kernel can run on this machine."""
+        return self.unavailable_reason() is None
+
+    def __call__(
+        self,
+        *,
+        inputs: Sequence[mx.array],
+        output_shapes: Sequence[Sequence[int]],
+        output_dtypes: Sequence[mx.Dtype],
+        grid: tuple[int, int, int],
+        threadgroup: tuple[int, int, int],
+        template: Sequence[TemplateArg] = (),
+        init_value: float | None = None,
+        verbose: bool = False,
+    ) -> list[mx.array]:
+        """Run on the GPU stream, as MLX's custom kernels run: ``grid`` counts threads
+        (not threadgroups) along each axis; outputs are fresh arrays."""
+        if init_value is None and _POISON.get():
+            init_value = float("nan")
+        return self._build()(
+            inputs=list(inputs),
+            output_shapes=[tuple(s) for s in output_shapes],
+            output_dtypes=list(output_dtypes),
+            grid=grid,
+            threadgroup=threadgroup,
+            template=list(template),
+            init_value=init_value,
+            verbose=verbose,
+            stream=mx.gpu,
+        )
+
+    def _build(self) -> Any:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise KernelUnavailableError(reason)
+        backend = gpu_backend()
+        assert backend is not None
+        if backend not in self._built:
+            common = dict(
+                name=self.name,
+                input_names=list(self.input_names),
+                output_names=list(self.output_names),
+                source=self.source(backend),
+                header=self.header(backend),
+                ensure_row_contiguous=True,
+            )
+            if backend == "metal":
+                self._built[backend] = mx.fast.metal_kernel(**common)
+            else:
+                self._built[backend] = mx.fast.cuda_kernel(
+                    **common, shared_memory=self.shared_memory
+                )
+        return self._built[backend]

@@ -1,0 +1,104 @@
+"""butter-raw kernels against their references, and the references against numpy."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from butter_core.kernels import gpu_backend, relative_error
+from butter_core.kernels.checks import DEFAULT_RTOL
+from butter_raw.kernels import (
+    KERNEL_CHECKS,
+    kv_cache_update_reference,
+    make_attention_inputs,
+    make_update_inputs,
+    sdpa_decode_reference,
+)
+
+CASES = [
+    pytest.param(check, case, id=f"{check.name}-{i}")
+    for check in KERNEL_CHECKS
+    for i, case in enumerate(check.cases)
+]
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+def _float64(x: mx.array) -> np.ndarray:
+    return np.asarray(x.astype(mx.float32), dtype=np.float64)
+
+
+def numpy_attention(queries, keys, values, length, scale) -> np.ndarray:
+    """Single-query GQA attention over the live slice, in float64."""
+    q, k, v = _float64(queries), _float64(keys)[:, :, :length], _float64(values)[:, :, :length]
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = q @ k.transpose(0, 1, 3, 2) * scale
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+@pytest.mark.skipif(gpu_backend() is None, reason="no GPU backend (Metal or CUDA) in this MLX")
+@pytest.mark.parametrize(("check", "case"), CASES)
+def test_kernel_matches_reference(check, case):
+    result = check.check(seed=7, **case)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize(("check", "case"), CASES)
+def test_check_cases_are_valid_reference_inputs(check, case):
+    out = check.run_reference(check.make_inputs(0, **case))
+    assert out.dtype == case.get("dtype", mx.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (8, 2), (12, 2), (32, 8)])
+@pytest.mark.parametrize(("length", "allocated"), [(1, 8), (37, 64), (200, 256), (256, 256)])
+def test_attention_reference_matches_numpy(dtype, q_heads, kv_heads, length, allocated):
+    inputs = make_attention_inputs(3, q_heads=q_heads, kv_heads=kv_heads, head_dim=64,
+                                   allocated=allocated, length=length, dtype=dtype)
+    out = sdpa_decode_reference(**inputs)
+    assert out.shape == inputs["queries"].shape and out.dtype == dtype
+    expected = mx.array(numpy_attention(**inputs).astype(np.float32))
+    assert relative_error(out, expected) <= DEFAULT_RTOL[dtype]
+
+
+def test_attention_reference_batches_independently():
+    inputs = make_attention_inputs(5, batch=2, length=40, allocated=48, dtype=mx.float32)
+    out = sdpa_decode_reference(**inputs)
+    expected = mx.array(numpy_attention(**inputs).astype(np.float32))
+    assert relative_error(out, expected) <= DEFAULT_RTOL[mx.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n_rows", "offset"), [(1, 0), (1, 63), (5, 30)])
+def test_update_reference_matches_numpy(dtype, n_rows, offset):
+    inputs = make_update_inputs(1, heads=3, allocated=64, n_rows=n_rows, offset=offset,
+                                dtype=dtype)
+    expected = _float64(inputs["cache"])
+    expected[:, :, offset:offset + n_rows] = _float64(inputs["rows"])
+    out = kv_cache_update_reference(**inputs)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(_float64(out), expected)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"length": 0},
+        {"length": 65},
+        {"keys": mx.zeros((1, 3, 64, 128)), "values": mx.zeros((1, 3, 64, 128))},
+    ],
+    ids=["empty", "past-the-end", "heads-not-a-multiple"],
+)
+def test_attention_rejects_bad_arguments(bad):
+    inputs = make_attention_inputs(0, allocated=64, length=10, dtype=mx.float32)
+    with pytest.raises(ValueError):
+        sdpa_decode_reference(**{**inputs, **bad})
+
+
+def test_update_rejects_rows_past_the_end():
+    inputs = make_update_inputs(0, allocated=8, n_rows=2, offset=6)
+    inputs["offset"] = 7
+    with pytest.raises(ValueError, match="overrun"):
+        kv_cache_update_reference(**inputs)

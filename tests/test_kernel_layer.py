@@ -1,0 +1,120 @@
+"""The kernel layer: dialect sources for both backends, and Kernel's behaviour here."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import mlx.core as mx
+import pytest
+
+from butter_core.kernels import (
+    CheckResult,
+    Kernel,
+    KernelUnavailableError,
+    default_device_is_gpu,
+    gpu_backend,
+    relative_error,
+)
+from butter_core.kernels.dialect import HEADER, PREAMBLE
+
+BACKENDS = ("metal", "cuda")
+MACROS = ("BT_SHARED", "BT_BARRIER", "BT_GLOBAL", "BT_PRIVATE", "BT_FUNC", "BT_NEG_INF",
+          "BT_WARP_SIZE")
+FUNCTIONS = ("bt_to_float", "bt_from_float", "bt_exp", "bt_exp2", "bt_shuffle_xor",
+             "bt_group_sum", "bt_group_max", "bt_warp_sum", "bt_warp_max", "bt_load")
+LOCALS = {"block_idx", "thread_idx", "block_dim", "grid_dim", "global_idx", "thread_rank",
+          "lane_id", "warp_id"}
+# Metal appends a thread attribute to the generated signature when its name occurs in
+# the kernel source; these are the ones the preamble relies on.
+METAL_ATTRIBUTES = ("threadgroup_position_in_grid", "thread_position_in_threadgroup",
+                    "threads_per_threadgroup", "threadgroups_per_grid",
+                    "thread_position_in_grid", "thread_index_in_threadgroup",
+                    "thread_index_in_simdgroup", "simdgroup_index_in_threadgroup")
+
+no_gpu = pytest.mark.skipif(gpu_backend() is not None, reason="this machine has a GPU backend")
+
+
+def _kernel(name: str, body: str = "out[0] = inp[0];") -> Kernel:
+    return Kernel(name, ["inp"], ["out"], body)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preamble_binds_the_same_locals_on_both_backends(backend):
+    bound = set(re.findall(r"const [\w ]+? (\w+) =", PREAMBLE[backend]))
+    assert bound == LOCALS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_source_is_preamble_then_body(backend):
+    kernel = _kernel("test_layer_source")
+    source = kernel.source(backend)
+    assert source.startswith(PREAMBLE[backend])
+    assert source.endswith(kernel.body)
+
+
+def test_metal_attributes_are_in_the_source_not_the_header():
+    kernel = _kernel("test_layer_metal_attributes")
+    for attribute in METAL_ATTRIBUTES:
+        assert attribute in kernel.source("metal")
+        assert attribute not in kernel.header("metal")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_header_defines_the_vocabulary(backend):
+    header = HEADER[backend]
+    for macro in MACROS:
+        assert re.search(rf"^#define {macro}\b", header, re.MULTILINE), macro
+    for function in FUNCTIONS:
+        assert re.search(rf"\b{function}\s*\(", header), function
+
+
+def test_dynamic_shared_memory_macro_is_cuda_only():
+    assert "#define BT_DYNAMIC_SHARED" in HEADER["cuda"]
+    assert "BT_DYNAMIC_SHARED" not in HEADER["metal"]
+
+
+def test_cuda_dialect_avoids_names_cuda_lacks_or_mlx_redefines():
+    text = HEADER["cuda"] + PREAMBLE["cuda"]
+    assert not re.search(r"\buint\b", text)  # no such type in CUDA
+    assert not re.search(r"\binf\b", text)  # a macro in MLX's CUDA header
+    for cuda_type in ("float", "__half", "__nv_bfloat16"):
+        assert f"bt_to_float({cuda_type} x)" in text
+
+
+def test_header_appends_kernel_helpers():
+    kernel = Kernel("test_layer_helpers", ["inp"], ["out"], "out[0] = twice(inp[0]);",
+                    helpers="BT_FUNC float twice(float x) { return 2 * x; }\n")
+    for backend in BACKENDS:
+        assert kernel.header(backend) == HEADER[backend] + kernel.helpers
+
+
+def test_backend_detection_agrees_with_mlx():
+    expected = "metal" if mx.metal.is_available() else "cuda" if mx.cuda.is_available() else None
+    assert gpu_backend() == expected
+    assert default_device_is_gpu() == (mx.default_device().type == mx.gpu)
+
+
+@no_gpu
+def test_kernel_is_unavailable_without_a_gpu_and_says_why():
+    kernel = _kernel("test_layer_unavailable")
+    assert not kernel.available()
+    with pytest.raises(KernelUnavailableError, match="needs a GPU backend"):
+        kernel(inputs=[mx.zeros((4,))], output_shapes=[(1,)], output_dtypes=[mx.float32],
+               grid=(1, 1, 1), threadgroup=(1, 1, 1))
+
+
+def test_kernel_names_must_be_unique():
+    _kernel("test_layer_unique")
+    _kernel("test_layer_unique")  # the same definition again is fine
+    with pytest.raises(ValueError, match="already used"):
+        _kernel("test_layer_unique", body="out[0] = 2 * inp[0];")
+
+
+def test_relative_error_and_check_result():
+    ref = mx.array([3.0, 4.0])
+    assert relative_error(ref, ref) == 0.0
+    assert math.isclose(relative_error(mx.array([3.0, 4.5]), ref), 0.1, rel_tol=1e-6)
+    assert math.isnan(relative_error(mx.array([math.nan, 4.0]), ref))
+    assert not CheckResult("k", {}, math.nan, 1e-2).passed
+    assert CheckResult("k", {}, 1e-3, 1e-2).passed
