@@ -1,7 +1,7 @@
 """butter: an MLX LLM inference engine whose KV cache is a plugin system."""
 
 from butter_core.cache import LayerCache, LayerSpec, SlotCache, reference_attention
-from butter_core.config import Affine, Aura, CacheKind, LoadOptions, Raw, Window
+from butter_core.config import Affine, Aura, CacheKind, Eviction, LoadOptions, Raw, Window
 from butter_core.errors import ButterError, ConfigError, ModelLoadError, PluginError, UnknownSchemeError
 from butter_core.hookspecs import hookimpl
 from butter_core.layer_caches import make_layer_caches
@@ -21,6 +21,7 @@ __all__ = [
     "CacheKind",
     "CacheScheme",
     "ConfigError",
+    "Eviction",
     "EvictionPolicy",
     "LayerCache",
     "LayerSpec",

@@ -18,7 +18,8 @@ import attrs
 from butter_core.errors import ConfigError
 
 
-def _positive(name: str):
+def positive(name: str):
+    """An attrs validator: ``name`` is None or a positive int, else ConfigError."""
     def check(instance, attribute, value):
         if value is None:
             return
@@ -28,7 +29,8 @@ def _positive(name: str):
     return check
 
 
-def _one_of(name: str, valid: tuple):
+def one_of(name: str, valid: tuple):
+    """An attrs validator: the value is one of ``valid``, else ConfigError listing them."""
     def check(instance, attribute, value):
         if value not in valid:
             listed = ", ".join(str(v) for v in valid)
@@ -65,7 +67,7 @@ class Raw(CacheKind):
     """Unquantized K/V in the model's dtype (``dtype=None``) or an explicit float dtype."""
 
     scheme: ClassVar[str] = "raw"
-    dtype: str | None = attrs.field(default=MODEL_DTYPE, validator=_one_of("dtype", CACHE_DTYPES))
+    dtype: str | None = attrs.field(default=MODEL_DTYPE, validator=one_of("dtype", CACHE_DTYPES))
 
     def __str__(self) -> str:
         return "raw" if self.dtype is None else f"raw-{self.dtype}"
@@ -85,8 +87,8 @@ class Affine(CacheKind):
     """Affine (scale + bias per group) quantized K/V: affine8, affine6, affine4, affine{bits}g{group}."""
 
     scheme: ClassVar[str] = "affine"
-    bits: int = attrs.field(default=8, validator=_one_of("bits", AFFINE_BITS))
-    group_size: int = attrs.field(validator=_one_of("group_size", GROUP_SIZES))
+    bits: int = attrs.field(default=8, validator=one_of("bits", AFFINE_BITS))
+    group_size: int = attrs.field(validator=one_of("group_size", GROUP_SIZES))
 
     @group_size.default
     def _group_default(self) -> int:
@@ -113,8 +115,8 @@ class Aura(CacheKind):
     """AURA rotated-codebook K/V with independent key and value bit widths (aura4v2, aura8v4, ...)."""
 
     scheme: ClassVar[str] = "aura"
-    key_bits: int = attrs.field(default=4, validator=_one_of("key_bits", AURA_BITS))
-    value_bits: int = attrs.field(default=2, validator=_one_of("value_bits", AURA_BITS))
+    key_bits: int = attrs.field(default=4, validator=one_of("key_bits", AURA_BITS))
+    value_bits: int = attrs.field(default=2, validator=one_of("value_bits", AURA_BITS))
 
     @classmethod
     def named(cls, name: str) -> Aura:
@@ -129,10 +131,15 @@ class Aura(CacheKind):
 
 
 @attrs.frozen
-class Window:
+class Eviction:
+    """Base of every eviction configuration; a policy plugin subclasses it (core's is ``Window``)."""
+
+
+@attrs.frozen
+class Window(Eviction):
     """Sliding-window eviction: ``keep`` sink positions pinned, then a FIFO ring of ``max_size - keep``."""
 
-    max_size: int = attrs.field(validator=_positive("max_size"))
+    max_size: int = attrs.field(validator=positive("max_size"))
     keep: int = attrs.field(default=4)
 
     @keep.validator
@@ -159,8 +166,8 @@ class LoadOptions:
     """What ``Model.load`` needs beyond the model: cache scheme, eviction, context cap."""
 
     kv_cache: CacheKind = attrs.field(factory=Raw)
-    kv_eviction: Window | None = attrs.field(default=None)
-    max_context_length: int | None = attrs.field(default=None, validator=_positive("max_context_length"))
+    kv_eviction: Eviction | None = attrs.field(default=None)
+    max_context_length: int | None = attrs.field(default=None, validator=positive("max_context_length"))
 
     @kv_cache.validator
     def _check_kind(self, attribute, value):
@@ -172,5 +179,7 @@ class LoadOptions:
 
     @kv_eviction.validator
     def _check_eviction(self, attribute, value):
-        if value is not None and not isinstance(value, Window):
-            raise ConfigError(f"LoadOptions.kv_eviction must be None or Window(max_size, keep), got {value!r}")
+        if value is not None and not isinstance(value, Eviction):
+            raise ConfigError(
+                f"LoadOptions.kv_eviction must be None, Window(max_size, keep) or a plugin's Eviction, got {value!r}"
+            )

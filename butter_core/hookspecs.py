@@ -5,14 +5,14 @@ objects once at load time, and ``make_layer_caches`` asks the scheme for bound
 ``LayerCache`` objects, so the decode loop calls plain methods (see docs/architecture.md).
 
 Plugins are found through the ``butter.caches`` entry-point group. A plugin loaded from
-that group must implement ``butter_register_cache_schemes``.
+that group must implement at least one of the registration hooks (``REGISTRATION_HOOKS``).
 """
 
 import pluggy
 
 PROJECT = "butter"
 ENTRY_POINT_GROUP = "butter.caches"
-REQUIRED_HOOKS = ("butter_register_cache_schemes",)
+REGISTRATION_HOOKS = ("butter_register_cache_schemes", "butter_register_eviction_policies")
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from butter_core.cache import LayerCache, LayerSpec
-from butter_core.config import CacheKind, Window
+from butter_core.config import CacheKind, Eviction, Window
 from butter_core.plugins import PluginHost, get_plugin_host
 
 
 def make_layer_caches(
     kind: CacheKind,
     specs: Sequence[LayerSpec],
-    eviction: Window | None = None,
+    eviction: Eviction | None = None,
     *,
     layer_windows: Sequence[Window | None] | None = None,
     host: PluginHost | None = None,
@@ -24,7 +24,8 @@ def make_layer_caches(
     """One cache per spec, of scheme ``kind``, under ``eviction`` if given.
 
     ``layer_windows`` lets a model family bound individual layers (sliding-window
-    attention layers); where both apply, the smaller window wins.
+    attention layers); where a layer has one and ``eviction`` is also a ``Window``, the
+    smaller wins; another eviction policy yields to the family's window on that layer.
     """
     host = host or get_plugin_host()
     scheme = host.scheme_for(kind)
@@ -39,7 +40,7 @@ def make_layer_caches(
         return caches
 
     caches: list[LayerCache | None] = [None] * len(specs)
-    groups: dict[Window | None, list[int]] = {}
+    groups: dict[Eviction | None, list[int]] = {}
     for index, window in enumerate(windows):
         groups.setdefault(window, []).append(index)
     for window, indices in groups.items():
@@ -50,7 +51,9 @@ def make_layer_caches(
     return caches
 
 
-def _tighter(a: Window | None, b: Window | None) -> Window | None:
-    if a is None or b is None:
-        return a or b
-    return a if a.max_size <= b.max_size else b
+def _tighter(eviction: Eviction | None, layer: Window | None) -> Eviction | None:
+    if layer is None or eviction is None:
+        return layer or eviction
+    if isinstance(eviction, Window) and eviction.max_size <= layer.max_size:
+        return eviction
+    return layer

@@ -2,7 +2,7 @@
 
 A plugin is a module found through the ``butter.caches`` entry-point group (or
 registered by hand, as tests do). Loading never lets one plugin break another: a
-plugin that fails to import, lacks a required hook, implements a hook with arguments
+plugin that fails to import, implements no registration hook, implements a hook with arguments
 the spec does not have, implements an unknown ``butter_*`` hook, raises while
 registering, or claims a scheme name another distribution owns is recorded as a
 :class:`PluginProblem` naming its distribution, and left out.
@@ -82,7 +82,7 @@ class PluginHost:
         self.schemes: dict[str, RegisteredScheme] = {}
         self.evictions: dict[str, EvictionPolicy] = {}
         self.problems: list[PluginProblem] = []
-        self.register(window, name="window", distribution=CORE, version=_version(CORE), required=())
+        self.register(window, name="window", distribution=CORE, version=_version(CORE))
         if entry_points:
             self.load_entry_points()
 
@@ -106,7 +106,7 @@ class PluginHost:
                 continue
             self.register(plugin, name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "?")
 
-    def register(self, plugin, *, name: str, distribution: str, version: str = "0", required=hookspecs.REQUIRED_HOOKS) -> bool:
+    def register(self, plugin, *, name: str, distribution: str, version: str = "0") -> bool:
         """Validate and register ``plugin``; on any failure record a problem and return False."""
         try:
             self.pm.register(plugin, name=name)
@@ -115,10 +115,10 @@ class PluginHost:
             return False
         callers = self.pm.get_hookcallers(plugin) or []
         unknown = sorted(c.name for c in callers if c.spec is None)
-        missing = sorted(set(required) - {c.name for c in callers})
-        if unknown or missing:
+        registers = {c.name for c in callers} & set(hookspecs.REGISTRATION_HOOKS)
+        if unknown or not registers:
             self.pm.unregister(plugin)
-            why = [f"lacks the required hook {', '.join(missing)}"] if missing else []
+            why = [] if registers else [f"implements none of the registration hooks {', '.join(hookspecs.REGISTRATION_HOOKS)}"]
             why += [f"implements unknown hook {', '.join(unknown)} (no such hook spec)"] if unknown else []
             self._problem(distribution, name, "; ".join(why))
             return False

@@ -82,7 +82,7 @@ def test_missing_required_hook(install, only):
     install("butter-empty", "empty_plugin", "from butter_core import hookimpl\n")
     host = only("butter-empty")
     assert "empty_plugin" not in host.plugins
-    assert "lacks the required hook butter_register_cache_schemes" in host.problems[0].message
+    assert "implements none of the registration hooks butter_register_cache_schemes" in host.problems[0].message
 
 
 def test_hook_arguments_must_match_the_spec(install, only):
@@ -145,3 +145,22 @@ def test_no_scheme_installed_gives_install_command(only):
         make_layer_caches(Raw(), [LayerSpec(1, 64, 16)], host=host)
     with pytest.raises(UnknownSchemeError, match="'aura4v2'.*pip install butter-aura"):
         host.parse_kv_cache("aura4v2")
+
+
+def test_eviction_only_plugin_registers(install, only):
+    source = """
+    import attrs
+    from butter_core import Eviction, EvictionPolicy, hookimpl
+
+    @attrs.frozen
+    class KeepAll(Eviction):
+        pass
+
+    @hookimpl
+    def butter_register_eviction_policies(register):
+        register(EvictionPolicy(name="keep-all", kind=KeepAll, wrap=lambda config, create, specs: create(specs)))
+    """
+    install("butter-keepall", "keepall_plugin", source)
+    host = only("butter-keepall")
+    assert host.problems == []
+    assert host.plugins["keepall_plugin"].evictions == ["keep-all"]
