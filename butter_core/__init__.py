@@ -1,5 +1,7 @@
 """butter: an MLX LLM inference engine whose KV cache is a plugin system."""
 
+from butter_core import cpu_blas  # noqa: F401 - must run before anything imports mlx.core
+
 from butter_core.cache import LayerCache, LayerSpec, SlotCache, reference_attention
 from butter_core.config import Affine, Aura, CacheKind, Eviction, LoadOptions, Raw, Window
 from butter_core.errors import ButterError, ConfigError, ModelLoadError, PluginError, UnknownSchemeError

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from butter_core.cli import plugins_cmd
+from butter_core.cli import generate_cmd, inspect_cmd, plugins_cmd
 from butter_core.errors import ButterError
 
-COMMANDS = [plugins_cmd]
+COMMANDS = [generate_cmd, inspect_cmd, plugins_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,33 @@
+"""``butter generate``: stream a completion to stdout, then one summary line to stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from butter_core.cli.model_options import add_model_arguments, load_model, positive_int
+from butter_core.sampling import Sampler
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    add_model_arguments(parser)
+    parser.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    parser.add_argument("--max-tokens", type=positive_int, default=256, metavar="N", help="stop after N tokens (default 256)")
+    parser.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default 1)")
+    parser.add_argument("--seed", type=int, metavar="S", help="random seed, for reproducible sampling")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    sampler = Sampler(args.temp, args.top_p, args.seed)
+    model = load_model(args)
+    generation = model.generate(model.encode_prompt(args.prompt, chat=args.chat), sampler=sampler, max_tokens=args.max_tokens)
+    detokenizer = model.tokenizer.detokenizer()
+    for token_id in generation:
+        sys.stdout.write(detokenizer.add(token_id))
+        sys.stdout.flush()
+    sys.stdout.write(detokenizer.flush() + "\n")
+    print(generation.stats.summary(), file=sys.stderr)
+    return 0

@@ -1,0 +1,69 @@
+"""Flags shared by the commands that load a model, and turning them into ``LoadOptions``.
+
+``-m/--model``, ``--kv-cache``, ``--kv-window-size``/``--kv-window-keep`` and
+``--max-context``. Every invalid value raises a ``ButterError`` naming its flag, which
+``butter_core.cli.main`` reports in one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from butter_core import parse_kv_cache
+from butter_core.config import LoadOptions, Window
+from butter_core.errors import ConfigError
+from butter_core.model import Model
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the model and KV cache flags to ``parser``."""
+    parser.add_argument(
+        "-m", "--model", help="model directory, .gguf file or Hugging Face repo id (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--kv-cache", default="raw", metavar="SCHEME", help="KV cache scheme (see `butter plugins`); default raw")
+    parser.add_argument("--kv-window-size", type=positive_int, metavar="N", help="sliding-window eviction: keep at most N positions per layer")
+    parser.add_argument("--kv-window-keep", type=non_negative_int, metavar="K", help="sink positions the window never evicts (default 4)")
+    parser.add_argument("--max-context", type=positive_int, metavar="N", help="cap full-attention layers' cache at N positions")
+
+
+def load_options(args: argparse.Namespace) -> LoadOptions:
+    """The ``LoadOptions`` the flags describe."""
+    kind = parse_kv_cache(args.kv_cache)
+    eviction = None
+    if args.kv_window_size is None:
+        if args.kv_window_keep is not None:
+            raise ConfigError("--kv-window-keep needs --kv-window-size")
+    else:
+        keep = {} if args.kv_window_keep is None else {"keep": args.kv_window_keep}
+        try:
+            eviction = Window(max_size=args.kv_window_size, **keep)
+        except ConfigError as exc:
+            raise ConfigError(f"--kv-window-size/--kv-window-keep: {exc}") from exc
+    return LoadOptions(kv_cache=kind, kv_eviction=eviction, max_context_length=args.max_context)
+
+
+def load_model(args: argparse.Namespace) -> Model:
+    """Load ``--model`` with the options the flags describe."""
+    return Model.load(args.model, load_options(args))

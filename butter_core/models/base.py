@@ -1,0 +1,336 @@
+"""What the decoder-only families share: config parsing, RoPE, attention through the cache, MLP, blocks.
+
+A family module (``llama.py``, ``qwen3.py``) parses its ``config.json`` into
+:class:`ModelArgs` and assembles :class:`DecoderModel` from these parts, swapping in
+its own attention projection where it differs. Parameter names follow Hugging Face
+(``model.layers.N.self_attn.q_proj.weight``...), so checkpoints load without renaming.
+
+Attention never touches K/V storage itself: with a cache it applies RoPE at
+``cache.absolute_position`` and calls ``cache.update_and_attend``; without one
+(``caches=None``) it recomputes the whole sequence under a causal mask, narrowed to
+each layer's window if it has one — the yardstick the cached paths are checked
+against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+
+from butter_core.cache import LayerCache, Mask
+from butter_core.config import Window
+from butter_core.errors import ModelLoadError
+
+ROPE_TYPES = ("default", "linear", "llama3")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+@attrs.frozen
+class RopeConfig:
+    """Rotary embedding parameters: ``type`` among ROPE_TYPES plus that type's factors."""
+
+    theta: float = 10000.0
+    traditional: bool = False
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@attrs.frozen
+class ModelArgs:
+    """The hyperparameters a decoder-only family reads from ``config.json``."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+
+    def layer_windows(self) -> list[Window | None]:
+        """Per layer, the window its attention is bounded by (``None`` for full attention)."""
+        return [
+            Window(max_size=self.sliding_window, keep=0) if kind == SLIDING_ATTENTION else None
+            for kind in self.layer_types
+        ]
+
+
+def parse_args(config: dict[str, Any], source: Path, *, defaults: dict[str, Any] | None = None) -> ModelArgs:
+    """``config.json`` contents as ModelArgs; ``defaults`` fill keys a family may omit.
+
+    Every problem raises ModelLoadError naming ``source`` and the key.
+    """
+    values = {**(defaults or {}), **{k: v for k, v in config.items() if v is not None}}
+
+    def get(key: str, kind: type, default: Any = None) -> Any:
+        value = values.get(key, default)
+        if value is None:
+            raise ModelLoadError(f"{source}: required key {key!r} is missing")
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ModelLoadError(f"{source}: {key!r} must be a positive integer, got {value!r}")
+        if not isinstance(value, kind):
+            raise ModelLoadError(f"{source}: {key!r} must be a {kind.__name__}, got {value!r}")
+        return value
+
+    activation = values.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {activation!r} is not supported; supported: silu")
+    hidden, heads = get("hidden_size", int), get("num_attention_heads", int)
+    kv_heads = get("num_key_value_heads", int, heads)
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    layers = get("num_hidden_layers", int)
+    sliding_window = values.get("sliding_window")
+    return ModelArgs(
+        model_type=get("model_type", str),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=get("intermediate_size", int),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=get("head_dim", int, hidden // heads),
+        vocab_size=get("vocab_size", int),
+        max_position_embeddings=get("max_position_embeddings", int),
+        rms_norm_eps=get("rms_norm_eps", float),
+        rope=_parse_rope(values, source),
+        tie_word_embeddings=get("tie_word_embeddings", bool, False),
+        attention_bias=get("attention_bias", bool, False),
+        mlp_bias=get("mlp_bias", bool, False),
+        sliding_window=sliding_window,
+        layer_types=_parse_layer_types(values, layers, sliding_window, source),
+    )
+
+
+def _parse_rope(values: dict[str, Any], source: Path) -> RopeConfig:
+    scaling = values.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"{source}: rope_scaling must be an object or null, got {scaling!r}")
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"{source}: rope_scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if kind != "default" and "factor" not in scaling:
+        raise ModelLoadError(f"{source}: rope_scaling of type {kind!r} needs a 'factor'")
+    default = RopeConfig()
+    try:
+        return RopeConfig(
+            theta=float(values.get("rope_theta", default.theta)),
+            traditional=bool(values.get("rope_traditional", default.traditional)),
+            type=kind,
+            factor=float(scaling.get("factor", default.factor)),
+            low_freq_factor=float(scaling.get("low_freq_factor", default.low_freq_factor)),
+            high_freq_factor=float(scaling.get("high_freq_factor", default.high_freq_factor)),
+            original_max_position_embeddings=int(
+                scaling.get("original_max_position_embeddings", default.original_max_position_embeddings)
+            ),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: invalid rope_theta or rope_scaling: {exc}") from exc
+
+
+def _parse_layer_types(values: dict[str, Any], layers: int, sliding_window: Any, source: Path) -> tuple[str, ...]:
+    """``layer_types`` as given, or derived the Qwen2/3 way from ``use_sliding_window`` / ``max_window_layers``."""
+    layer_types = values.get("layer_types")
+    if layer_types is None:
+        first_sliding = values.get("max_window_layers", 0) if values.get("use_sliding_window") else layers
+        layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(layers)]
+    valid = {FULL_ATTENTION, SLIDING_ATTENTION}
+    if not isinstance(layer_types, list | tuple) or len(layer_types) != layers or not set(layer_types) <= valid:
+        raise ModelLoadError(
+            f"{source}: layer_types must list {layers} entries of {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}; "
+            f"got {layer_types!r}"
+        )
+    if SLIDING_ATTENTION in layer_types and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ModelLoadError(f"{source}: sliding-attention layers need a positive sliding_window, got {sliding_window!r}")
+    return tuple(layer_types)
+
+
+class RoPE(nn.Module):
+    """Rotary position embedding at an offset, with ``linear`` and ``llama3`` frequency scaling."""
+
+    def __init__(self, dims: int, config: RopeConfig):
+        super().__init__()
+        self.dims = dims
+        self.traditional = config.traditional
+        self.base: float | None = config.theta
+        self.scale = 1 / config.factor if config.type == "linear" else 1.0
+        self._freqs = None
+        if config.type == "llama3":
+            self.base, self._freqs = None, llama3_frequencies(dims, config)
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset, freqs=self._freqs
+        )
+
+
+def llama3_frequencies(dims: int, config: RopeConfig) -> mx.array:
+    """Llama 3.1's wavelength-dependent stretch: long wavelengths slowed by ``factor``, short ones kept."""
+    old_context = config.original_max_position_embeddings
+    low_freq_wavelen = old_context / config.low_freq_factor
+    high_freq_wavelen = old_context / config.high_freq_factor
+    freqs = config.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelens = 2 * math.pi * freqs
+    freqs = mx.where(wavelens > low_freq_wavelen, freqs * config.factor, freqs)
+    is_medium = (wavelens > high_freq_wavelen) & (wavelens < low_freq_wavelen)
+    smooth = (old_context / wavelens - config.low_freq_factor) / (config.high_freq_factor - config.low_freq_factor)
+    return mx.where(is_medium, freqs / ((1 - smooth) / config.factor + smooth), freqs)
+
+
+def window_mask(length: int, window: Window | None) -> Mask:
+    """Causal mask over ``length`` positions, narrowed to ``window`` (sinks plus the recent ring) if given."""
+    if window is None:
+        return "causal"
+    positions = mx.arange(length)
+    query, key = positions[:, None], positions[None]
+    return (key <= query) & ((key < window.keep) | (key > query - window.ring_size))
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA whose K/V history lives in a ``LayerCache``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
+        self.rope = RoPE(args.head_dim, args.rope)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values as ``[batch, heads, tokens, head_dim]``, before RoPE."""
+        batch, tokens, _ = x.shape
+        q = self.q_proj(x).reshape(batch, tokens, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim)
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, cache: LayerCache | None, mask: Mask = "causal") -> mx.array:
+        """Attend ``x``'s tokens: through ``cache`` if given, else over ``x`` alone under ``mask``."""
+        batch, tokens, _ = x.shape
+        q, k, v = self.project(x)
+        offset = 0 if cache is None else cache.absolute_position
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        if cache is None:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        else:
+            out = cache.update_and_attend(q, k, v, scale=self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+
+    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention):
+        super().__init__()
+        self.self_attn = attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: LayerCache | None, mask: Mask = "causal") -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """Embedding, blocks and final norm (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, args: ModelArgs, attention: type[Attention]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [Block(args, attention) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """A decoder-only language model: token ids in, next-token logits out.
+
+    ``caches`` holds one ``LayerCache`` per layer (``make_layer_caches``), or is None for
+    a full causal recompute of the given tokens; ``windows`` then bounds each layer's
+    attention as a window-evicting cache would (default: the family's own sliding
+    layers).
+    """
+
+    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args, attention)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.model.layers
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The activation dtype: that of the final norm's weight."""
+        return self.model.norm.weight.dtype
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        """``[batch, tokens]`` ids to ``[batch, tokens, hidden]`` embeddings."""
+        return self.model.embed_tokens(token_ids)
+
+    def hidden_states(
+        self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows: Sequence[Window | None] | None = None
+    ) -> mx.array:
+        """Final-norm hidden states ``[batch, tokens, hidden]``."""
+        h = self.embed(token_ids)
+        if caches is None:
+            windows = self.args.layer_windows() if windows is None else windows
+            masks = {window: window_mask(h.shape[1], window) for window in set(windows)}
+            for layer, window in zip(self.layers, windows, strict=True):
+                h = layer(h, None, masks[window])
+        else:
+            for layer, cache in zip(self.layers, caches, strict=True):
+                h = layer(h, cache)
+        return self.model.norm(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Project hidden states onto the vocabulary (the tied embedding where the config says so)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def __call__(
+        self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows: Sequence[Window | None] | None = None
+    ) -> mx.array:
+        return self.logits(self.hidden_states(token_ids, caches, windows))

@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny model directories written as real files, and the raw scheme's presence."""
+
+from __future__ import annotations
+
+import pytest
+
+from butter_core.plugins import get_plugin_host
+from butter_core.testing.tiny_models import TinySpec, write_tiny_model
+
+FAMILIES = ("llama", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model(TinySpec(...))``: the directory of that tiny model, written once per session."""
+    written = {}
+
+    def make(spec: TinySpec = TinySpec()):
+        if spec not in written:
+            written[spec] = write_tiny_model(tmp_path_factory.mktemp(f"tiny-{spec.family}"), spec)
+        return written[spec]
+
+    return make
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def raw_scheme():
+    """Skip where butter-raw is not installed (tox's ``core`` env): the model tests run their caches on it."""
+    if "raw" not in get_plugin_host().schemes:
+        pytest.skip("needs the raw KV cache scheme (pip install butter-raw)")
+

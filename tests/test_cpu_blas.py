@@ -1,0 +1,43 @@
+"""butter_core.cpu_blas: OpenBLAS goes into the global namespace before MLX loads, unless told not to or too late."""
+
+import ctypes.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import butter_core
+
+MODULE = Path(butter_core.__file__).parent / "cpu_blas.py"
+# Run the module as a fresh process would at import time, before or after MLX.
+SCRIPT = """
+import importlib.util
+{before}
+spec = importlib.util.spec_from_file_location("cpu_blas_probe", {path!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(module.LOADED_BLAS)
+"""
+
+
+def loaded_blas(*, choice: str | None = None, mlx_first: bool = False) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("BUTTER_BLAS", "LD_PRELOAD")}
+    if choice is not None:
+        env["BUTTER_BLAS"] = choice
+    script = SCRIPT.format(before="import mlx.core" if mlx_first else "", path=str(MODULE))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    return result.stdout.strip()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the preload is for mlx-cpu on Linux")
+def test_reference_choice_and_late_import_load_nothing():
+    assert loaded_blas(choice="reference") == "None"
+    assert loaded_blas(mlx_first=True) == "None"
+    assert loaded_blas(choice="libno-such-blas.so") == "None"
+
+
+@pytest.mark.skipif(ctypes.util.find_library("openblas") is None, reason="OpenBLAS is not installed (libopenblas0-pthread)")
+def test_openblas_is_loaded_by_default():
+    assert loaded_blas() == "libopenblas.so.0"
