@@ -1,12 +1,14 @@
 """The ``butter`` command line: each subcommand is a module with ``add_parser`` and ``run``.
 
 Text goes to stdout, progress and errors to stderr. Exit codes: 0 on success, 2 on
-usage errors and bad input (a one-line message, no traceback).
+usage errors and bad input (a one-line message, no traceback), 1 when the reader of
+stdout went away (``butter generate ... | head``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from butter_core.cli import generate_cmd, inspect_cmd, plugins_cmd
@@ -30,3 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except ButterError as exc:
         print(f"butter {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Python would report the closed pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
