@@ -19,6 +19,9 @@ class CacheScheme:
     ``create`` builds one cache per layer spec, and may share buffers among the layers
     of one call. ``kernel_checks`` lists the scheme's GPU kernels with their references
     (``butter_core.kernels.checks.KernelCheck``) for the conformance suite.
+    ``model_tolerance`` is the relative error of a tiny model's logits against a full
+    recompute that the scheme's first example promises (None: exact schemes, or not
+    declared — the model matrix then reports the comparison as skipped).
     """
 
     name: str
@@ -28,6 +31,7 @@ class CacheScheme:
     examples: tuple[str, ...]
     description: str = ""
     kernel_checks: Callable[[], Sequence] = attrs.field(default=lambda: ())
+    model_tolerance: float | None = None
 
 
 @attrs.frozen

@@ -58,7 +58,7 @@ def test_shape_that_disagrees_with_config(model_dir):
     edit_config(model_dir, intermediate_size=96)
     message = load_error(model_dir)
     assert "model.safetensors" in message and "config.json" in message
-    assert "model.layers.0.mlp.down_proj.weight' has shape [64, 128]" in message and "implies [64, 96]" in message
+    assert "model.layers.0.mlp.down_proj.weight' has shape [128, 128]" in message and "implies [128, 96]" in message
 
 
 def test_missing_tensor(model_dir):
@@ -78,7 +78,7 @@ def test_unexpected_tensor(model_dir):
 
 def test_integer_tensor_where_floats_belong(model_dir):
     weights = tiny_weights(tiny_config(TinySpec()), TinySpec())
-    weights["model.norm.weight"] = mx.ones((64,), dtype=mx.int32)
+    weights["model.norm.weight"] = mx.ones(weights["model.norm.weight"].shape, dtype=mx.int32)
     write_weights(model_dir, weights)
     assert "'model.norm.weight' has dtype I32" in load_error(model_dir)
 

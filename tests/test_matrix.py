@@ -76,7 +76,7 @@ def test_raw_equals_recompute_exactly(tiny_model, family, eviction, prefill_chun
 @pytest.mark.parametrize("eviction", EVICTIONS.values(), ids=EVICTIONS.keys())
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s != "raw"])
 def test_scheme_within_its_declared_tolerance(tiny_model, family, scheme, eviction):
-    tolerance = getattr(get_plugin_host().schemes[scheme].scheme, "model_tolerance", None)
+    tolerance = get_plugin_host().schemes[scheme].scheme.model_tolerance
     if tolerance is None:
         pytest.skip(f"scheme {scheme!r} declares no model_tolerance")
     model = load(tiny_model, family, scheme, eviction, prefill_chunk=5)

@@ -40,7 +40,7 @@ FAMILY_CONFIGS = {
     "llama": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 64,
+        "hidden_size": 128,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,

@@ -1,0 +1,338 @@
+"""butter-affine kernels on the GPU: correctness against references, then timings.
+
+Run on a machine with a GPU backend (the lent H200, or Apple silicon), with butter-core,
+butter-raw and butter-affine installed:
+
+    python bench/gpu_affine.py            # everything
+    python bench/gpu_affine.py --no-sweep # without the tunables sweep
+    python bench/gpu_affine.py --no-checks # timings only
+
+1. Every ``KERNEL_CHECKS`` case, plus ``decode_attention`` at the timed shapes (4k and
+   32k, 4/6/8 bits; the float32 reference on the CPU makes 128k slow to check): relative error ‖out − ref‖/‖ref‖ on fresh random data, kernel
+   outputs poisoned with NaN. A failed check is reported and its kernel still timed.
+2. Amortised timings (50 calls evaluated together, divided by 50; GPU-NOTES), batch 1,
+   32 query heads, 8 KV heads, head_dim 128, bf16, contexts 4k/32k/128k, of single-token
+   attention by four paths: MLX's SDPA on raw bf16 K/V; the fused kernel on affine4/6/8
+   codes; dequantize kernel + SDPA; mlx-lm's ``mx.quantized_matmul`` path on the same
+   codes. Each with the bytes it must move and the rate that makes (against 4.1 TB/s,
+   the copy rate measured on the H200). Consecutive calls read different buffers when
+   one set would fit in L2, as the layers of a decode step do.
+3. A one-token append (quantize kernel + six slice assignments) into a cache holding L
+   positions, against butter-raw's append.
+4. The working set of a 30-layer chunked-prefill step over 32k positions (dequantize per
+   layer), against a 5-layer one, with the caches' ``PrefillPipeline`` off and on: one
+   layer's dequantized K/V, or all layers'.
+5. The fused kernel's tunables (``butter_affine.kernels.decode``), one at a time, at 128k.
+Prints compact tables; with ``OUT`` set, writes everything to ``$OUT/affine.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from butter_core import Affine, LayerSpec, Raw, make_layer_caches
+from butter_core.kernels import gpu_backend
+from butter_affine.kernels import KERNEL_CHECKS, decode, dequantize, quantize
+from butter_affine.ops import quantized_matmul_decode
+from butter_affine.packing import BUFFERS, PackedFormat
+
+CALLS = 50
+REPEATS = 5
+CONTEXTS = (4096, 32768, 131072)
+Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, mx.bfloat16
+SCHEMES = {"affine4": (4, 32), "affine6": (6, 32), "affine8": (8, 64)}
+QUANTIZED_MATMUL_SKIP = {"affine8"}
+"""mx.quantized_matmul on 8-bit codes ([1, 8, L, 32] words, bf16, batched) died with "an
+illegal memory access" in MLX 0.32.4's CUDA backend on the H200 (2026-11-30), which
+poisons the process's CUDA context: not timed."""
+COPY_TB_S = 4.1
+L2_DEFEAT_BYTES = 256 * 2**20
+SWEEPS = (
+    {"TILE": {4: 2, 6: 4, 8: 2}},
+    {"PREFETCH": False},
+    {"TILE": {4: 8, 6: 4, 8: 2}, "PREFETCH": False},
+    {"WARPS": 8},
+    {"TARGET_BLOCKS": 264},
+    {"TARGET_BLOCKS": 1056},
+    {"ELEMS": 8},
+)
+"""Overrides of ``butter_affine.kernels.decode``'s tunables, each timed alone for affine4 at 128k."""
+
+REPORT: dict = {}
+
+
+def save() -> None:
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "affine.json"), "w") as f:
+            json.dump(REPORT, f, indent=2, default=str)
+
+
+def amortised_us(build: Callable[[], list[mx.array]]) -> float:
+    """Median over REPEATS of (eval of CALLS calls built by ``build``) / CALLS, in µs."""
+    mx.eval(build())
+    samples = []
+    outs = None
+    for _ in range(REPEATS):
+        outs = None  # drop the last results first: a live reference to a buffer stops donation
+        outs = build()
+        mx.synchronize()
+        start = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        samples.append((time.perf_counter() - start) / CALLS * 1e6)
+    return statistics.median(samples)
+
+
+def run_checks() -> list[dict]:
+    cases = [(check, case) for check in KERNEL_CHECKS for case in check.cases]
+    attention = next(c for c in KERNEL_CHECKS if c.name == "decode_attention")
+    cases += [
+        (attention, dict(bits=bits, group_size=group, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         allocated=length + 256, length=length, dtype=DTYPE))
+        for length in (4096, 32768) for bits, group in SCHEMES.values()
+    ]
+    results = []
+    for seed, (check, case) in enumerate(cases):
+        row = {"kernel": check.name, "case": {k: str(v) for k, v in case.items()}}
+        try:
+            result = check.check(seed=100 + seed, **case)
+            row.update(relative_error=result.relative_error, tolerance=result.tolerance, passed=result.passed)
+        except Exception:  # a compile error must not hide the other kernels' results
+            row.update(passed=False, error=traceback.format_exc(limit=4))
+        results.append(row)
+        print(f"check {row['kernel']:16s} {'ok  ' if row['passed'] else 'FAIL'} "
+              f"rel_err={row.get('relative_error', float('nan')):.2e} {row['case']}", flush=True)
+        if "error" in row:
+            print(row["error"], flush=True)
+    return results
+
+
+def buffer_count(nbytes: int) -> int:
+    return max(1, min(CALLS, math.ceil(L2_DEFEAT_BYTES / nbytes)))
+
+
+def packed_sets(bits: int, group: int, length: int, count: int) -> list[dict[str, mx.array]]:
+    """``count`` independent packed K/V buffers of ``length`` slots (quantized by the kernel)."""
+    sets = []
+    for _ in range(count):
+        keys, values = (mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
+        sets.append(quantize.quantize_kv(keys, values, bits=bits, group_size=group))
+        mx.eval(sets[-1])
+    return sets
+
+
+def time_attention(length: int) -> list[dict]:
+    """Single-token attention by every path at one context length."""
+    q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
+    scale = HEAD_DIM**-0.5
+    sdpa = mx.fast.scaled_dot_product_attention
+    raw_bytes = 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
+    rows = []
+
+    def add(path, us, moved):
+        rows.append({"context": length, "path": path, "us": us, "bytes": moved,
+                     "tb_s": moved / us / 1e6, "of_copy_rate": moved / us / 1e6 / COPY_TB_S})
+        print(f"  {length:>7} {path:28s} {us:9.1f} µs  {moved / 1e6:8.1f} MB  {moved / us / 1e6:5.2f} TB/s", flush=True)
+
+    pairs = [tuple(mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
+             for _ in range(buffer_count(raw_bytes))]
+    mx.eval(pairs)
+    add("raw bf16, MLX SDPA", amortised_us(
+        lambda: [sdpa(q, *pairs[i % len(pairs)], scale=scale) for i in range(CALLS)]), raw_bytes)
+    del pairs
+    gc.collect()
+
+    for name, (bits, group) in SCHEMES.items():
+        fmt = PackedFormat(bits, group, HEAD_DIM, DTYPE)
+        packed_bytes = 2 * KV_HEADS * length * fmt.row_bytes
+        sets = packed_sets(bits, group, length, buffer_count(packed_bytes))
+
+        def fused(b):
+            return decode.decode_attention(q, *(b[n] for n in BUFFERS), length=length, scale=scale)
+
+        def dequant_sdpa(b):
+            keys, values = dequantize.dequantize_kv(*(b[n] for n in BUFFERS), length=length, bits=bits, dtype=DTYPE)
+            return sdpa(q, keys, values, scale=scale)
+
+        def matmul(b):
+            return quantized_matmul_decode(q, b, length, scale, bits=bits, group_size=group)
+
+        paths = [(f"{name} fused kernel", fused, packed_bytes),
+                 (f"{name} dequantize + SDPA", dequant_sdpa, packed_bytes + 2 * raw_bytes)]
+        if name not in QUANTIZED_MATMUL_SKIP:
+            paths.append((f"{name} mx.quantized_matmul", matmul, packed_bytes))
+        for path, fn, moved in paths:
+            add(path, amortised_us(lambda: [fn(sets[i % len(sets)]) for i in range(CALLS)]), moved)
+        del sets
+        gc.collect()
+    return rows
+
+
+def time_append(length: int) -> list[dict]:
+    """One-token appends into a cache holding ``length`` positions (room for CALLS more)."""
+    spec = LayerSpec(n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_positions=length + 512, dtype=DTYPE)
+    rows = [mx.random.normal((1, KV_HEADS, 1, HEAD_DIM)).astype(DTYPE) for _ in range(CALLS)]
+    filler = mx.random.normal((1, KV_HEADS, length + 240, HEAD_DIM)).astype(DTYPE)
+    mx.eval(rows, filler)
+    out = []
+    for label, kind in (("raw", Raw()), *((name, Affine(b, g)) for name, (b, g) in SCHEMES.items())):
+        (cache,) = make_layer_caches(kind, [spec])
+        cache.append(filler, filler)  # length + 256 slots allocated, then back to length live
+        cache.trim(240)
+        mx.eval(cache.buffers())
+
+        def chain():
+            cache.trim(cache.length - length)
+            for i in range(CALLS):
+                cache.append(rows[i], rows[i])
+            return cache.buffers()
+
+        us = amortised_us(chain)
+        out.append({"context": length, "cache": label, "append_us": us})
+        print(f"  {length:>7} {label:8s} one-token append {us:7.1f} µs", flush=True)
+        del cache
+        gc.collect()
+    return out
+
+
+def prefill_working_set(layers: int, pipelined: bool, length: int = 32768, chunk: int = 16) -> dict:
+    """A ``chunk``-token step through ``layers`` affine4 layers of ``length`` positions,
+    evaluated as one graph (as ``Engine.forward`` does per chunk): the peak bytes in use
+    beyond what is held afterwards, and the step's wall time. ``pipelined``: the caches'
+    shared ``PrefillPipeline`` is on (the default), else removed."""
+    specs = [LayerSpec(n_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_positions=length + 256, dtype=DTYPE,
+                       layer_index=i) for i in range(layers)]
+    caches = make_layer_caches(Affine(4), specs)
+    filler = mx.random.normal((1, KV_HEADS, length + 240, HEAD_DIM)).astype(DTYPE)
+    for cache in caches:
+        cache.append(filler, filler)  # room for the chunk: no buffer grows during the step
+        cache.trim(240)
+        mx.eval(cache.buffers())
+        if not pipelined:
+            cache.pipeline = None
+    del filler
+    h = mx.random.normal((1, Q_HEADS, chunk, HEAD_DIM)).astype(DTYPE)
+    mx.eval(h)
+    gc.collect()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for cache in caches:
+        h = h + cache.update_and_attend(h, h[:, :KV_HEADS], h[:, KV_HEADS:2 * KV_HEADS], scale=HEAD_DIM**-0.5)
+    mx.eval(h, [cache.buffers() for cache in caches])
+    mx.synchronize()
+    seconds = time.perf_counter() - start
+    return {"layers": layers, "pipelined": pipelined, "working_set": mx.get_peak_memory() - mx.get_active_memory(),
+            "step_ms": seconds * 1e3}
+
+
+def sweep(length: int = 131072) -> list[dict]:
+    bits, group = SCHEMES["affine4"]
+    q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
+    fmt = PackedFormat(bits, group, HEAD_DIM, DTYPE)
+    sets = packed_sets(bits, group, length, buffer_count(2 * KV_HEADS * length * fmt.row_bytes))
+
+    def timed():
+        return amortised_us(lambda: [decode.decode_attention(
+            q, *(sets[i % len(sets)][n] for n in BUFFERS), length=length, scale=HEAD_DIM**-0.5)
+            for i in range(CALLS)])
+
+    rows = [{"override": "defaults", "us": timed()}]
+    for overrides in SWEEPS:
+        defaults = {name: getattr(decode, name) for name in overrides}
+        try:
+            for name, value in overrides.items():
+                setattr(decode, name, value)
+            rows.append({"override": overrides, "us": timed()})
+        except Exception:
+            rows.append({"override": overrides, "error": traceback.format_exc(limit=3)})
+        finally:
+            for name, value in defaults.items():
+                setattr(decode, name, value)
+        print(f"  sweep {rows[-1]}", flush=True)
+    return rows
+
+
+def print_tables() -> None:
+    attention = REPORT.get("attention", [])
+    raw = {r["context"]: r["us"] for r in attention if r["path"].startswith("raw")}
+    print(f"\nsingle-token attention, amortised µs per call ({CALLS} calls per eval), "
+          f"B=1 Hq={Q_HEADS} Hkv={KV_HEADS} D={HEAD_DIM} bf16")
+    print(f"{'context':>8} {'path':28s} {'µs':>9} {'MB moved':>9} {'TB/s':>6} {'of 4.1':>7} {'vs raw':>7}")
+    for r in attention:
+        print(f"{r['context']:>8} {r['path']:28s} {r['us']:>9.1f} {r['bytes'] / 1e6:>9.1f} {r['tb_s']:>6.2f} "
+              f"{r['of_copy_rate']:>7.0%} {r['us'] / raw[r['context']]:>7.2f}")
+    by = {(r["context"], r["path"]): r["us"] for r in attention}
+    if (131072, "affine4 fused kernel") in by:
+        fused = by[(131072, "affine4 fused kernel")]
+        print(f"goal at 128k: fused affine4 / raw SDPA = {fused / raw[131072]:.2f} (goal <= 0.5); "
+              f"quantized_matmul / fused = {by[(131072, 'affine4 mx.quantized_matmul')] / fused:.1f}x (goal >= 20)")
+    if REPORT.get("append"):
+        print("\none-token append, amortised µs")
+        for r in REPORT["append"]:
+            print(f"{r['context']:>8} {r['cache']:8s} {r['append_us']:7.1f}")
+    if REPORT.get("memory"):
+        one = 2 * KV_HEADS * (32768 + 16) * HEAD_DIM * DTYPE.size
+        print(f"\nprefill working set: affine4, 32k positions, one 16-token chunk through N layers as one graph; "
+              f"one layer's dequantized K/V = {one / 2**20:.0f} MiB")
+        for r in REPORT["memory"]:
+            print(f"  {r['layers']:>3} layers  {'PrefillPipeline' if r['pipelined'] else 'one graph      '}  "
+                  f"{r['working_set'] / 2**20:7.0f} MiB = {r['working_set'] / one:5.1f} layers   step {r['step_ms']:7.1f} ms")
+    if REPORT.get("sweep"):
+        print("\nfused affine4 at 128k, tunables one at a time (µs)")
+        for r in REPORT["sweep"]:
+            print(f"  {r.get('us', float('nan')):7.1f}  {r['override']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-checks", action="store_true", help="skip the kernel checks (timings only)")
+    parser.add_argument("--only-memory", action="store_true", help="only the prefill working set")
+    args = parser.parse_args()
+    backend = gpu_backend()
+    if backend is None:
+        print("no GPU backend in this MLX; nothing to run")
+        return 1
+    mx.set_default_device(mx.gpu)
+    REPORT.update(backend=backend, mlx=mx.__version__, device=str(mx.default_device()),
+                  date=time.strftime("%Y-%m-%d"))
+    start = time.time()
+    REPORT["checks"] = [] if args.no_checks or args.only_memory else run_checks()
+    save()
+    if not args.only_memory:
+        print(f"[{time.time() - start:.0f} s] timings", flush=True)
+        REPORT["attention"] = [row for length in CONTEXTS for row in time_attention(length)]
+        save()
+        print(f"[{time.time() - start:.0f} s] appends", flush=True)
+        REPORT["append"] = [row for length in (4096, 131072) for row in time_append(length)]
+        save()
+    print(f"[{time.time() - start:.0f} s] prefill working set", flush=True)
+    prefill_working_set(1, False, length=1024)  # compiles the kernels outside the timed steps
+    REPORT["memory"] = [prefill_working_set(layers, pipelined) for pipelined in (False, True)
+                        for layers in (30, 5)]
+    save()
+    if not (args.no_sweep or args.only_memory):
+        print(f"[{time.time() - start:.0f} s] sweep", flush=True)
+        REPORT["sweep"] = sweep()
+        save()
+    print(f"[{time.time() - start:.0f} s] done", flush=True)
+    print_tables()
+    failed = [r for r in REPORT["checks"] if not r["passed"]]
+    print(f"\n{len(REPORT['checks']) - len(failed)}/{len(REPORT['checks'])} kernel checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""``AffineCache``: K/V stored as affine-quantized codes with per-group scales and biases."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from butter_core import Affine, LayerSpec
+from butter_core.cache import Mask
+from butter_core.slots import BufferedSlotCache
+
+from butter_affine.ops import AffineOps, select_ops
+from butter_affine.packing import PackedFormat
+from butter_affine.working_set import PrefillPipeline
+
+
+class AffineCache(BufferedSlotCache):
+    """Six buffers ``[batch, n_kv_heads, allocated, width]`` (``packing.BUFFERS``): uint32
+    codes and model-dtype scales and biases, for keys and for values.
+
+    A position costs ``bits + 2 * 16 / group_size`` bits per element with 16-bit
+    scales: 8.5 for affine8 (g64), 7 for affine6 (g32), 5 for affine4 (g32); against 16
+    for bf16 raw. Buffers grow in whole steps (``butter_core.slots``) and appends write
+    in place through slice assignment; ``store`` re-encodes every row it writes, so an
+    overwritten slot (window eviction) keeps nothing of its previous codes, scales or
+    biases. Multi-token attention dequantizes the live slots and uses MLX's SDPA, then
+    hands its output to ``pipeline`` (shared by the layers of one model; None: no
+    bound) so that few layers' dequantized K/V exist at once (``working_set``);
+    single-token attention uses the fastest path of this backend (``ops``).
+    """
+
+    def __init__(self, spec: LayerSpec, kind: Affine, pipeline: PrefillPipeline | None = None):
+        self.format = PackedFormat(kind.bits, kind.group_size, spec.head_dim, spec.dtype)
+        super().__init__(spec, self.format.buffer_layout())
+        self.ops: AffineOps = select_ops(self.format)
+        self.pipeline = pipeline
+
+    def store(self, start, keys, values):
+        rows = self.ops.quantize(keys.astype(self.spec.dtype), values.astype(self.spec.dtype))
+        self.slots.write(start, rows, live=self.length)
+
+    def load(self, length):
+        if length == 0 or not self.slots.arrays:
+            s = self.spec
+            empty = mx.zeros((s.batch_size, s.n_kv_heads, 0, s.head_dim), s.dtype)
+            return empty, empty
+        return self.ops.dequantize(self.slots.arrays, length)
+
+    def attention(self, queries, *, scale: float, mask: Mask):
+        if queries.shape[2] == 1 and mask is None and self.ops.decode is not None:
+            return self.ops.decode(queries, self.slots.arrays, self.length, scale).astype(queries.dtype)
+        out = super().attention(queries, scale=scale, mask=mask)
+        if self.pipeline is not None and queries.shape[2] > 1:
+            self.pipeline.submit(out)
+        return out

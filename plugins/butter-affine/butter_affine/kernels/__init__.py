@@ -1,0 +1,129 @@
+"""butter-affine's GPU kernels, each written once in butter's dialect (Metal and CUDA),
+each paired with a pure-mx reference in ``KERNEL_CHECKS``.
+
+- ``quantize.quantize_kv``: new K/V rows -> codes, scales, biases (appends).
+- ``dequantize.dequantize_kv``: the live slots as floats (prefill attention).
+- ``decode.decode_attention``: fused single-token attention reading the codes
+  (split-K, with the scheme-independent pieces in ``split_k``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from butter_core.kernels import KernelCheck
+
+from butter_affine import codec
+from butter_affine.kernels import decode, dequantize, quantize
+from butter_affine.packing import BUFFERS
+
+
+def _quantized_rows(quantize_kv):
+    """``quantize_kv`` as one float32 array (codes unpacked, then scales, then biases)
+    so a check can compare two packings element by element."""
+
+    def run(keys, values, bits, group_size):
+        packed = quantize_kv(keys, values, bits=bits, group_size=group_size)
+        parts = [codec.unpack(packed[name], bits) if name.endswith("codes") else packed[name] for name in BUFFERS]
+        return mx.concatenate([part.astype(mx.float32).reshape(-1) for part in parts])
+
+    return run
+
+
+def _both(dequantize_kv):
+    """``dequantize_kv``'s keys and values as one array."""
+
+    def run(**inputs):
+        keys, values = dequantize_kv(**inputs)
+        return mx.concatenate([keys.reshape(-1), values.reshape(-1)])
+
+    return run
+
+
+def make_quantize_inputs(
+    seed: int, *, bits: int = 4, group_size: int = 32, batch: int = 1, heads: int = 2,
+    tokens: int = 1, head_dim: int = 128, dtype: mx.Dtype = mx.bfloat16,
+) -> dict:
+    """Random K/V rows whose groups span magnitudes 1e-3..1e3 and include one-signed groups."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, heads, tokens, head_dim)
+    magnitude = 10.0 ** rng.uniform(-3, 3, (*shape[:-1], head_dim // group_size, 1))
+    keys, values = (
+        (rng.standard_normal((*shape[:-1], head_dim // group_size, group_size)) * magnitude).reshape(shape)
+        for _ in range(2)
+    )
+    values = np.abs(values) * np.where(rng.random(shape[:-1] + (1,)) < 0.5, -1, 1)
+    return {"keys": mx.array(keys).astype(dtype), "values": mx.array(values).astype(dtype),
+            "bits": bits, "group_size": group_size}
+
+
+def make_dequantize_inputs(
+    seed: int, *, bits: int = 4, group_size: int = 32, batch: int = 1, heads: int = 2,
+    allocated: int = 64, length: int = 50, head_dim: int = 128, dtype: mx.Dtype = mx.bfloat16,
+) -> dict:
+    """Whole packed buffers of ``allocated`` slots, ``length`` of them live."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, heads, allocated, head_dim)
+    keys, values = (mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(dtype) for _ in range(2))
+    packed = codec.quantize(keys, bits, group_size) + codec.quantize(values, bits, group_size)
+    return {**dict(zip(BUFFERS, packed)), "length": length, "bits": bits, "dtype": dtype}
+
+
+# The first cases of each check use the shapes bench/gpu_affine.py times (bf16, head_dim
+# 128, 4 query heads per KV head; 4/6/8 bits at their default groups), so the bench
+# compiles no kernel twice; the rest cover the other dtypes, head dims, groups and GQA
+# ratios.
+KERNEL_CHECKS: tuple[KernelCheck, ...] = (
+    KernelCheck(
+        name="quantize_kv",
+        kernel=_quantized_rows(quantize.quantize_kv),
+        reference=_quantized_rows(quantize.quantize_kv_reference),
+        make_inputs=make_quantize_inputs,
+        cases=(
+            {},
+            {"bits": 8, "group_size": 64, "tokens": 3},
+            {"bits": 6, "group_size": 32, "tokens": 17, "heads": 4},
+            {"bits": 6, "group_size": 64, "head_dim": 64, "batch": 2},
+            {"bits": 4, "group_size": 128, "tokens": 40, "dtype": mx.float16},
+            {"bits": 8, "group_size": 32, "head_dim": 64, "tokens": 5, "dtype": mx.float32},
+        ),
+        # Same float32 steps in the same order: codes, scales and biases match exactly.
+        rtol={mx.float32: 0.0},
+    ),
+    KernelCheck(
+        name="dequantize_kv",
+        kernel=_both(dequantize.dequantize_kv),
+        reference=_both(dequantize.dequantize_kv_reference),
+        make_inputs=make_dequantize_inputs,
+        cases=(
+            {},
+            {"bits": 8, "group_size": 64, "length": 64},
+            {"bits": 6, "group_size": 32, "length": 1, "heads": 3},
+            {"bits": 6, "group_size": 64, "head_dim": 64, "batch": 2, "allocated": 300, "length": 257,
+             "dtype": mx.float16},
+            {"bits": 4, "group_size": 128, "dtype": mx.float32, "allocated": 256, "length": 200},
+        ),
+    ),
+    KernelCheck(
+        name="decode_attention",
+        kernel=decode.decode_attention,
+        reference=decode.decode_attention_reference,
+        make_inputs=decode.make_inputs,
+        cases=(
+            {"length": 1, "allocated": 16},
+            {"bits": 8, "group_size": 64, "length": 200},
+            {"bits": 6, "group_size": 32, "length": 257, "allocated": 300},
+            {"bits": 4, "group_size": 64, "length": 1000, "allocated": 1024, "q_heads": 8, "kv_heads": 8,
+             "head_dim": 64},
+            {"bits": 4, "length": 5000, "allocated": 6000, "q_heads": 32, "kv_heads": 8, "batch": 2},
+            {"bits": 8, "group_size": 128, "length": 777, "allocated": 800, "q_heads": 24, "kv_heads": 2,
+             "dtype": mx.float16},
+            {"bits": 6, "group_size": 64, "length": 3000, "allocated": 4096, "q_heads": 28, "kv_heads": 4,
+             "dtype": mx.float32},
+            {"bits": 8, "group_size": 32, "length": 300, "allocated": 512, "head_dim": 256, "q_heads": 4,
+             "kv_heads": 1, "dtype": mx.float32},
+        ),
+    ),
+)
+"""Every butter-affine kernel with its reference, for the conformance suite and the GPU bench."""

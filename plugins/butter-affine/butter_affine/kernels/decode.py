@@ -1,0 +1,359 @@
+"""``decode_attention``: one query token attending over packed K/V, read as codes.
+
+Split-K flash-decoding (``split_k``): a partials kernel over splits of the live keys,
+then the shared merge kernel. The partials kernel never materialises a dequantized key
+or value. Per lane, a key's ``ELEMS`` values lie in one group, so
+
+    score = scale_k * (q . codes_k) + bias_k * sum(q)
+    out   = (sum_t p_t * scale_v,t * codes_v,t) + (sum_t p_t * bias_v,t)
+
+and each code costs two instructions to unpack (``codes.affine_unpack``) plus one FMA
+per query head it serves; all arithmetic is float32 (GPU-NOTES: bf16 arithmetic gave
+1e-2 errors). A threadgroup serves up to ``MAX_HEADS`` query heads of one KV head, so
+K/V are read once per GQA group; each lane's stream takes ``TILE`` keys per step and,
+with ``PREFETCH``, loads the next step's keys before working on the current ones. The
+running softmax sums are rescaled only when the running max grows.
+
+Supported: head_dim 64, 128 or 256; 4, 6 or 8 bits; group sizes 32, 64, 128; float32,
+float16 or bfloat16 queries and scales.
+
+Measured on the H200 (``bench/gpu_affine.py``, docs/benchmarks.md): matches the
+float32 reference to <= 2.3e-4 (bf16); at 128k, 157.6 / 162.6 / 182.9 µs for 4 / 6 /
+8 bits against 134.1 µs for MLX's SDPA on raw bf16: it reads 0.31-0.53x the bytes but
+only at 1.1-1.6 TB/s. It is bound by instructions, not memory: 255 registers per
+thread (q and the accumulators of four query heads) leave 8 warps per multiprocessor,
+and every code costs an unpack plus one FMA per query head for K and again for V.
+Tunables moved it by -4% (TARGET_BLOCKS=264) to +27% (ELEMS=8).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from butter_core.cache import reference_attention
+from butter_core.kernels import Kernel
+
+from butter_affine import codec
+from butter_affine.kernels import split_k
+from butter_affine.kernels.codes import CODE_HELPERS
+from butter_affine.packing import BUFFERS, PackedFormat
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+# Launch shape; the bench retimes each alternative (module attributes, read per call).
+MAX_HEADS = 4
+"""Query heads one threadgroup serves; its registers grow with this."""
+ELEMS = 16
+"""Values of a key each lane holds (16: a whole number of code words at 4, 6 and 8 bits)."""
+WARPS = 4
+TILE = {4: 4, 6: 4, 8: 2}
+"""Keys each lane's stream takes per step, by code width: the most that fit in 255
+registers without spilling (nvcc -Xptxas -v, sm_90a: 255/255/233 registers)."""
+PREFETCH = True
+"""Load the next step's keys before working on the current ones."""
+MIN_KEYS_PER_SPLIT = 64
+TARGET_BLOCKS = 528
+"""Threadgroups the split count aims at: two waves of two per multiprocessor on an H200 (132)."""
+
+_PARTIALS = Kernel(
+    name="butter_affine_decode_partials",
+    input_names=(*("queries",), *BUFFERS, "length", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=CODE_HELPERS + split_k.SPLIT_K_HELPERS + r"""
+// Lane slice of TILE keys (key first + t * stride, its row clamped to last when past
+// it): code words and its group's scale and bias, of K and of V.
+template <int TILE, int WORDS, int ROW_WORDS, int GROUPS, typename S>
+BT_FUNC void affine_fetch_tile(
+    const BT_GLOBAL uint32_t* k_codes, const BT_GLOBAL S* k_scales, const BT_GLOBAL S* k_biases,
+    const BT_GLOBAL uint32_t* v_codes, const BT_GLOBAL S* v_scales, const BT_GLOBAL S* v_biases,
+    int first, int stride, int last,
+    BT_PRIVATE uint32_t* kw, BT_PRIVATE float* ks, BT_PRIVATE float* kb,
+    BT_PRIVATE uint32_t* vw, BT_PRIVATE float* vs, BT_PRIVATE float* vb) {
+#pragma unroll
+  for (int t = 0; t < TILE; ++t) {
+    const int key = first + t * stride;
+    const int64_t row = key < last ? key : last;
+    affine_load_words<WORDS>(k_codes + row * ROW_WORDS, kw + t * WORDS);
+    affine_load_words<WORDS>(v_codes + row * ROW_WORDS, vw + t * WORDS);
+    ks[t] = bt_to_float(k_scales[row * GROUPS]);
+    kb[t] = bt_to_float(k_biases[row * GROUPS]);
+    vs[t] = bt_to_float(v_scales[row * GROUPS]);
+    vb[t] = bt_to_float(v_biases[row * GROUPS]);
+  }
+}
+""",
+    body="""
+  // One threadgroup: one (batch, kv head, group of HEADS query heads) and one split of
+  // the live keys. A key's D values are spread over LANES_PER_KEY lanes, ELEMS each,
+  // so a warp holds KEYS_PER_WARP keys at once. Scores are in log2 units. q and acc
+  // are in affine_unpack's shifted units (q times affine_weight; acc divided by it).
+  constexpr int LANES_PER_KEY = D / ELEMS;
+  constexpr int KEYS_PER_WARP = BT_WARP_SIZE / LANES_PER_KEY;
+  constexpr int KEYS_PER_STEP = WARPS * KEYS_PER_WARP * TILE;
+  constexpr int WORDS = ELEMS * BITS / 32;
+  constexpr int ROW_WORDS = D * BITS / 32;
+  constexpr int GROUPS = D / GROUP;
+
+  const int q_heads = queries_shape[1];
+  const int kv_heads = key_codes_shape[1];
+  const int allocated = key_codes_shape[2];
+  const int group = q_heads / kv_heads;
+  const int chunks_per_kv_head = group / HEADS;
+  const int live = length[0];
+  const int n_splits = grid_dim.y;
+  const int split = block_idx.y;
+
+  const int head_chunk = block_idx.x % chunks_per_kv_head;
+  const int batch_kv_head = block_idx.x / chunks_per_kv_head;
+  const int batch = batch_kv_head / kv_heads;
+  const int kv_head = batch_kv_head % kv_heads;
+  const int first_q_head = batch * q_heads + kv_head * group + head_chunk * HEADS;
+
+  const int chunk = (live + n_splits - 1) / n_splits;
+  const int start = split * chunk;
+  const int end = start + chunk < live ? start + chunk : live;
+
+  const int sub = lane_id % LANES_PER_KEY;
+  const int slot = lane_id / LANES_PER_KEY;
+  const int64_t first_row = static_cast<int64_t>(batch_kv_head) * allocated;
+  const int64_t code_offset = first_row * ROW_WORDS + sub * WORDS;
+  const int64_t group_offset = first_row * GROUPS + (sub * ELEMS) / GROUP;
+
+  const float q_scale = scale[0] * 1.4426950408889634f;
+  float q[HEADS * ELEMS];
+  float q_sum[HEADS];
+  float m[HEADS];
+  float l[HEADS];
+  float bias_acc[HEADS];
+  float acc[HEADS * ELEMS];
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+    float q_raw[ELEMS];
+    bt_load<ELEMS>(queries + static_cast<int64_t>(first_q_head + h) * D + sub * ELEMS, q_raw);
+    q_sum[h] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ELEMS; ++i) {
+      q_sum[h] += q_raw[i] * q_scale;
+      q[h * ELEMS + i] = q_raw[i] * q_scale * affine_weight<BITS>(i);
+      acc[h * ELEMS + i] = 0.0f;
+    }
+    m[h] = BT_NEG_INF;
+    l[h] = 0.0f;
+    bias_acc[h] = 0.0f;
+  }
+
+  uint32_t kw[TILE * WORDS];
+  uint32_t vw[TILE * WORDS];
+  float ks[TILE], kb[TILE], vs[TILE], vb[TILE];
+  uint32_t next_kw[TILE * WORDS];
+  uint32_t next_vw[TILE * WORDS];
+  float next_ks[TILE], next_kb[TILE], next_vs[TILE], next_vb[TILE];
+
+  // This lane's stream: keys base + t * KEYS_PER_WARP + slot for t < TILE, then the
+  // next step's. The loop bound is uniform across the warp, so every lane reaches the
+  // shuffles.
+  int base = start + static_cast<int>(warp_id) * KEYS_PER_WARP * TILE;
+  if (PREFETCH) {
+    affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS, S>(
+        key_codes + code_offset, key_scales + group_offset, key_biases + group_offset,
+        value_codes + code_offset, value_scales + group_offset, value_biases + group_offset,
+        base + slot, KEYS_PER_WARP, end - 1, next_kw, next_ks, next_kb, next_vw, next_vs, next_vb);
+  }
+  for (; base < end; base += KEYS_PER_STEP) {
+    if (PREFETCH) {
+#pragma unroll
+      for (int t = 0; t < TILE; ++t) {
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) {
+          kw[t * WORDS + w] = next_kw[t * WORDS + w];
+          vw[t * WORDS + w] = next_vw[t * WORDS + w];
+        }
+        ks[t] = next_ks[t];
+        kb[t] = next_kb[t];
+        vs[t] = next_vs[t];
+        vb[t] = next_vb[t];
+      }
+    }
+    affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS, S>(
+        key_codes + code_offset, key_scales + group_offset, key_biases + group_offset,
+        value_codes + code_offset, value_scales + group_offset, value_biases + group_offset,
+        (PREFETCH ? base + KEYS_PER_STEP : base) + slot, KEYS_PER_WARP, end - 1,
+        PREFETCH ? next_kw : kw, PREFETCH ? next_ks : ks, PREFETCH ? next_kb : kb,
+        PREFETCH ? next_vw : vw, PREFETCH ? next_vs : vs, PREFETCH ? next_vb : vb);
+
+    bool valid[TILE];
+    float s[HEADS * TILE];
+#pragma unroll
+    for (int t = 0; t < TILE; ++t) {
+      valid[t] = base + t * KEYS_PER_WARP + slot < end;
+      float codes[ELEMS];
+      affine_unpack<BITS, ELEMS>(kw + t * WORDS, codes);
+#pragma unroll
+      for (int h = 0; h < HEADS; ++h) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ELEMS; ++i) {
+          dot += q[h * ELEMS + i] * codes[i];
+        }
+        s[h * TILE + t] = bt_group_sum<LANES_PER_KEY>(ks[t] * dot + kb[t] * q_sum[h]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+      float m_new = m[h];
+#pragma unroll
+      for (int t = 0; t < TILE; ++t) {
+        m_new = valid[t] && s[h * TILE + t] > m_new ? s[h * TILE + t] : m_new;
+      }
+      if (m_new > m[h]) {  // the running max grew: rescale (rare once a stream is warm)
+        const float correction = bt_exp2(m[h] - m_new);
+        l[h] *= correction;
+        bias_acc[h] *= correction;
+#pragma unroll
+        for (int i = 0; i < ELEMS; ++i) {
+          acc[h * ELEMS + i] *= correction;
+        }
+        m[h] = m_new;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < TILE; ++t) {
+      float codes[ELEMS];
+      affine_unpack<BITS, ELEMS>(vw + t * WORDS, codes);
+#pragma unroll
+      for (int h = 0; h < HEADS; ++h) {
+        const float p = valid[t] ? bt_exp2(s[h * TILE + t] - m[h]) : 0.0f;
+        l[h] += p;
+        bias_acc[h] += p * vb[t];
+        const float pv = p * vs[t];
+#pragma unroll
+        for (int i = 0; i < ELEMS; ++i) {
+          acc[h * ELEMS + i] += pv * codes[i];
+        }
+      }
+    }
+  }
+
+  // Back to plain units, biases added: each lane's ELEMS values lie in one group.
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+#pragma unroll
+    for (int i = 0; i < ELEMS; ++i) {
+      acc[h * ELEMS + i] = acc[h * ELEMS + i] * affine_weight<BITS>(i) + bias_acc[h];
+    }
+  }
+  splitk_merge_lanes<HEADS, ELEMS, LANES_PER_KEY>(m, l, acc);
+  BT_SHARED float warp_m[WARPS * HEADS];
+  BT_SHARED float warp_l[WARPS * HEADS];
+  BT_SHARED float warp_acc[WARPS * HEADS * D];
+  splitk_write_partials<HEADS, ELEMS, D, WARPS>(
+      m, l, acc, sub, slot, warp_id, thread_rank, first_q_head, n_splits, split,
+      warp_m, warp_l, warp_acc, partial_acc, partial_max, partial_sum);
+""",
+)
+
+
+def decode_attention(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, length: int, scale: float,
+) -> mx.array:
+    """Attention of one query token over the first ``length`` slots of packed K/V buffers.
+
+    ``queries`` is ``[B, n_q_heads, 1, D]``; the six buffers are a cache's whole
+    ``[B, n_kv_heads, S, *]`` arrays (no slice is taken; bits and group size are read
+    from their shapes). Returns ``[B, n_q_heads, 1, D]`` in the queries' dtype.
+    """
+    fmt = _check_args(queries, key_codes, key_scales, value_codes, length)
+    batch, q_heads, _, dims = queries.shape
+    heads = split_k.heads_per_block(q_heads // key_codes.shape[1], MAX_HEADS)
+    blocks = batch * q_heads // heads
+    n_splits = split_k.num_splits(length, blocks, min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS)
+    threads = WARPS * 32
+    partials = _PARTIALS(
+        inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
+                mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
+        template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
+                  ("GROUP", fmt.group_size), ("HEADS", heads), ("ELEMS", ELEMS), ("WARPS", WARPS),
+                  ("TILE", TILE[fmt.bits]), ("PREFETCH", PREFETCH)],
+        grid=(threads * blocks, n_splits, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=split_k.partial_shapes(batch, q_heads, n_splits, dims),
+        output_dtypes=[mx.float32] * 3,
+    )
+    return split_k.merge_partials(*partials, queries.dtype)
+
+
+def decode_attention_reference(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, length: int, scale: float,
+) -> mx.array:
+    """``softmax(q kᵀ · scale) v`` over the dequantized live slice, in float32, with plain mx ops."""
+    fmt = _check_args(queries, key_codes, key_scales, value_codes, length)
+    live = [x[:, :, :length] for x in (key_codes, key_scales, key_biases, value_codes, value_scales, value_biases)]
+    keys = codec.dequantize(*live[:3], fmt.bits, mx.float32)
+    values = codec.dequantize(*live[3:], fmt.bits, mx.float32)
+    return reference_attention(queries, keys, values, scale=scale).astype(queries.dtype)
+
+
+def supports(fmt: PackedFormat, queries_dtype: mx.Dtype) -> bool:
+    """Whether ``decode_attention`` handles this format and query dtype."""
+    return fmt.head_dim in SUPPORTED_HEAD_DIMS and queries_dtype in (mx.float32, mx.float16, mx.bfloat16)
+
+
+def available() -> bool:
+    """Whether the kernel can run here."""
+    return _PARTIALS.available()
+
+
+def _check_args(queries, key_codes, key_scales, value_codes, length) -> PackedFormat:
+    if queries.ndim != 4 or queries.shape[2] != 1:
+        raise ValueError(f"queries must be [B, n_q_heads, 1, D], got {queries.shape}")
+    if key_codes.ndim != 4 or key_codes.shape != value_codes.shape:
+        raise ValueError(f"key and value codes must be equal [B, n_kv_heads, S, words] arrays; got "
+                         f"{key_codes.shape} and {value_codes.shape}")
+    batch, q_heads, _, dims = queries.shape
+    if key_codes.shape[0] != batch or q_heads % key_codes.shape[1]:
+        raise ValueError(f"queries {queries.shape} do not match codes {key_codes.shape}")
+    if not 0 < length <= key_codes.shape[2]:
+        raise ValueError(f"length {length} outside 1..{key_codes.shape[2]}")
+    fmt = PackedFormat.of(key_codes, key_scales, dims)
+    if dims not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {dims} not in {SUPPORTED_HEAD_DIMS}")
+    return fmt
+
+
+def make_inputs(
+    seed: int,
+    *,
+    bits: int = 4,
+    group_size: int = 32,
+    batch: int = 1,
+    q_heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 128,
+    allocated: int = 256,
+    length: int = 200,
+    dtype: mx.Dtype = mx.bfloat16,
+) -> dict:
+    """Random ``decode_attention`` arguments: Gaussian K/V quantized by the reference, with
+    slots past ``length`` holding the codes of 1e3, so a kernel that reads them is visibly wrong."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, kv_heads, allocated, head_dim)
+    keys, values = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    keys[:, :, length:] = 1e3
+    values[:, :, length:] = -1e3
+    queries = rng.standard_normal((batch, q_heads, 1, head_dim), dtype=np.float32)
+    packed = codec.quantize(mx.array(keys).astype(dtype), bits, group_size) + codec.quantize(
+        mx.array(values).astype(dtype), bits, group_size
+    )
+    return {
+        "queries": mx.array(queries).astype(dtype),
+        **dict(zip(BUFFERS, packed)),
+        "length": length,
+        "scale": head_dim**-0.5,
+    }

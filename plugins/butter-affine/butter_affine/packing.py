@@ -1,0 +1,81 @@
+"""How affine-quantized rows are laid out: MLX's own packing, described once.
+
+A row is one head's ``head_dim`` values at one position. It is stored as
+
+* ``codes``: ``head_dim * bits / 32`` uint32 words. Code ``j`` occupies bits
+  ``[j * bits, (j + 1) * bits)`` of the row's little-endian bit stream. For 4 and 8 bits
+  that is ``mx.quantize``'s word packing; for 6 bits it is its byte packing (four codes
+  in three bytes), read as words. ``mx.dequantize`` and ``mx.quantized_matmul`` read
+  these arrays as they are.
+* ``scales`` and ``biases``: one value per group of ``group_size`` consecutive
+  elements, in the model's dtype; element ``x`` decodes as ``code * scale + bias``.
+
+``PackedFormat`` gives the sizes; ``BUFFERS`` names the six per-layer arrays.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+
+from butter_core.errors import ConfigError
+
+BUFFERS = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")
+"""The six arrays an affine layer cache holds, each ``[batch, n_kv_heads, slots, width]``."""
+
+CODE_BITS = (4, 6, 8)
+
+
+@attrs.frozen
+class PackedFormat:
+    """Sizes of one packed row for ``bits`` per code, groups of ``group_size``, ``head_dim`` values."""
+
+    bits: int
+    group_size: int
+    head_dim: int
+    dtype: mx.Dtype
+
+    def __attrs_post_init__(self):
+        if self.bits not in CODE_BITS:
+            raise ConfigError(f"affine codes are {CODE_BITS} bits wide; got {self.bits}")
+        if self.head_dim % self.group_size or self.group_size % 32:
+            raise ConfigError(
+                f"affine group_size {self.group_size} must be a multiple of 32 that divides head_dim {self.head_dim}"
+            )
+
+    @classmethod
+    def of(cls, codes: mx.array, scales: mx.array, head_dim: int) -> PackedFormat:
+        """The format a packed codes/scales pair of arrays is in (read from their shapes)."""
+        words, groups = codes.shape[-1], scales.shape[-1]
+        if (words * 32) % head_dim or head_dim % groups:
+            raise ValueError(f"codes {codes.shape} / scales {scales.shape} do not pack rows of {head_dim} values")
+        return cls(words * 32 // head_dim, head_dim // groups, head_dim, scales.dtype)
+
+    @property
+    def words(self) -> int:
+        """uint32 words of codes per row."""
+        return self.head_dim * self.bits // 32
+
+    @property
+    def groups(self) -> int:
+        """Scale/bias pairs per row."""
+        return self.head_dim // self.group_size
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row: codes, scales and biases."""
+        return self.words * 4 + 2 * self.groups * self.dtype.size
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per K or V element, scales and biases included."""
+        return self.row_bytes * 8 / self.head_dim
+
+    def buffer_layout(self) -> dict[str, tuple[int, mx.Dtype]]:
+        """Name -> (row width, dtype) of the six buffers, for ``butter_core.slots.SlotBuffers``."""
+        layout = {}
+        for side in ("key", "value"):
+            layout[f"{side}_codes"] = (self.words, mx.uint32)
+            layout[f"{side}_scales"] = (self.groups, self.dtype)
+            layout[f"{side}_biases"] = (self.groups, self.dtype)
+        return layout

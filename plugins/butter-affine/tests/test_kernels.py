@@ -1,0 +1,115 @@
+"""butter-affine kernels against their references (GPU only), and the references themselves."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from butter_core.kernels import gpu_backend, relative_error
+from butter_core.kernels.checks import DEFAULT_RTOL
+
+from butter_affine import codec
+from butter_affine.kernels import KERNEL_CHECKS, decode, dequantize, quantize, split_k
+from butter_affine.ops import quantized_matmul_decode
+from butter_affine.packing import BUFFERS
+
+CASES = [
+    pytest.param(check, case, id=f"{check.name}-{i}")
+    for check in KERNEL_CHECKS
+    for i, case in enumerate(check.cases)
+]
+
+
+@pytest.mark.skipif(gpu_backend() is None, reason="no GPU backend (Metal or CUDA) in this MLX")
+@pytest.mark.parametrize(("check", "case"), CASES)
+def test_kernel_matches_reference(check, case):
+    result = check.check(seed=11, **case)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize(("check", "case"), CASES)
+def test_check_cases_are_valid_reference_inputs(check, case):
+    out = check.run_reference(check.make_inputs(0, **case))
+    assert not mx.any(mx.isnan(out)).item()
+
+
+def numpy_attention(queries, keys, values, scale) -> np.ndarray:
+    """Single-query GQA attention in float64."""
+    q, k, v = (np.asarray(x.astype(mx.float32), dtype=np.float64) for x in (queries, keys, values))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = q @ k.transpose(0, 1, 3, 2) * scale
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (6, 32), (8, 64)])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "length"), [(4, 4, 1), (8, 2, 37), (12, 2, 200)])
+def test_decode_reference_matches_numpy(dtype, bits, group_size, q_heads, kv_heads, length):
+    inputs = decode.make_inputs(3, bits=bits, group_size=group_size, q_heads=q_heads, kv_heads=kv_heads,
+                                head_dim=64, allocated=256, length=length, dtype=dtype)
+    out = decode.decode_attention_reference(**inputs)
+    assert out.shape == inputs["queries"].shape and out.dtype == dtype
+    live = {name: inputs[name][:, :, :length] for name in BUFFERS}
+    keys = codec.dequantize(live["key_codes"], live["key_scales"], live["key_biases"], bits, mx.float32)
+    values = codec.dequantize(live["value_codes"], live["value_scales"], live["value_biases"], bits, mx.float32)
+    expected = mx.array(numpy_attention(inputs["queries"], keys, values, inputs["scale"]).astype(np.float32))
+    assert relative_error(out, expected) <= DEFAULT_RTOL[dtype]
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (6, 32), (8, 64), (4, 128)])
+def test_quantized_matmul_decode_matches_reference_in_float32(bits, group_size):
+    """The CPU decode path (mlx-lm's route through ``mx.quantized_matmul``); on the CPU stream,
+    since MLX's CUDA quantized_matmul has no float32 kernel for these shapes."""
+    inputs = decode.make_inputs(5, bits=bits, group_size=group_size, q_heads=8, kv_heads=2, head_dim=128,
+                                allocated=300, length=257, dtype=mx.float32)
+    buffers = {name: inputs[name] for name in BUFFERS}
+    with mx.stream(mx.cpu):
+        out = quantized_matmul_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"],
+                                      bits=bits, group_size=group_size)
+    assert relative_error(out, decode.decode_attention_reference(**inputs)) <= 1e-5
+
+
+def test_dequantize_reference_reads_only_the_live_slots():
+    inputs = decode.make_inputs(1, allocated=64, length=10, dtype=mx.float32)
+    keys, values = dequantize.dequantize_kv_reference(*(inputs[n] for n in BUFFERS), length=10, bits=4,
+                                                      dtype=mx.float32)
+    assert keys.shape == values.shape == (1, 2, 10, 128)
+    assert mx.max(mx.abs(keys)).item() < 100  # slots past the live length hold 1e3
+
+
+def test_quantize_reference_is_codec_quantize():
+    keys, values = (mx.random.normal((1, 2, 3, 64), key=mx.random.key(i)) for i in range(2))
+    rows = quantize.quantize_kv_reference(keys, values, bits=6, group_size=32)
+    assert list(rows) == list(BUFFERS)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(list(rows.values())[:3], codec.quantize(keys, 6, 32)))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"length": 0}, {"length": 257},
+     {"queries": mx.zeros((1, 3, 1, 128))},
+     {"queries": mx.zeros((1, 8, 2, 128))}],
+    ids=["empty", "past-the-end", "heads-not-a-multiple", "two-query-tokens"],
+)
+def test_decode_rejects_bad_arguments(bad):
+    inputs = decode.make_inputs(0, allocated=256, length=10, dtype=mx.float32)
+    with pytest.raises(ValueError):
+        decode.decode_attention_reference(**{**inputs, **bad})
+
+
+def test_split_sizes():
+    assert split_k.heads_per_block(4, 4) == 4 and split_k.heads_per_block(12, 4) == 4
+    assert split_k.heads_per_block(7, 4) == 1 and split_k.heads_per_block(6, 4) == 3
+    assert split_k.num_splits(10, 8, min_keys=64, target_blocks=528) == 1
+    assert split_k.num_splits(131072, 8, min_keys=64, target_blocks=528) == 66
+    assert split_k.num_splits(1000, 8, min_keys=64, target_blocks=528) == 16
+
+
+def test_kernel_bodies_are_one_source_for_both_backends():
+    """Each kernel's body is the same text on Metal and CUDA; only the dialect's preamble differs."""
+    for kernel in (quantize._QUANTIZE, dequantize._DEQUANTIZE, decode._PARTIALS, split_k._MERGE):
+        metal, cuda = kernel.source("metal"), kernel.source("cuda")
+        assert metal.endswith(kernel.body) and cuda.endswith(kernel.body)
