@@ -11,10 +11,10 @@ import argparse
 import os
 import sys
 
-from butter_core.cli import generate_cmd, inspect_cmd, plugins_cmd
+from butter_core.cli import bench_cmd, generate_cmd, inspect_cmd, plugins_cmd, quality_cmd
 from butter_core.errors import ButterError
 
-COMMANDS = [generate_cmd, inspect_cmd, plugins_cmd]
+COMMANDS = [generate_cmd, inspect_cmd, plugins_cmd, bench_cmd, quality_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,346 @@
+"""What ``butter bench`` measures: KV bytes, peak memory, prefill and decode speed per scheme and context.
+
+For each context length N, each scheme runs on the same prompt — N tokens of a
+shipped text (``butter_core.data.BENCH_TEXT``), repeated as needed — followed by
+``decode_tokens`` greedy decode steps, through the engine's own ``Generation`` loop
+(the code ``butter generate`` runs). Schemes are interleaved per context (raw, affine8,
+raw, affine8, ...) so a slow spell of the machine hits all of them alike, and every
+ratio to raw comes from the same run. raw is always measured, as the baseline. Before
+the timed runs each scheme does one short warm-up generation; ``repeats`` rounds per
+context give median speeds, for noisy machines.
+
+Each result is one row of :data:`BENCH_KEYS` (the JSON's stable keys, documented there
+and in ``docs/benchmarks.md``). The pieces ``butter quality`` shares — scheme lists,
+one engine per scheme over one loaded network, the context check, run metadata, the
+progress bar — live here too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import TextIO
+
+import attrs
+import mlx.core as mx
+
+from butter_core import parse_kv_cache
+from butter_core.config import CacheKind, Raw
+from butter_core.cpu_blas import LOADED_BLAS
+from butter_core.data import BENCH_TEXT
+from butter_core.engine import Engine
+from butter_core.errors import ConfigError
+from butter_core.generation import Generation, GenerationStats, format_bytes
+from butter_core.kernels.backend import default_device_is_gpu
+from butter_core.model import Model
+from butter_core.plugins import get_plugin_host
+from butter_core.tokenizer import Tokenizer
+
+BASELINE = Raw()
+"""The scheme every other is compared with: unquantized K/V in the model's dtype."""
+
+DEFAULT_CONTEXTS = (512, 1024, 2048)
+DEFAULT_DECODE_TOKENS = 32
+WARMUP_PROMPT_TOKENS = 16
+PLOT_INSTALL = "pip install 'butter-core[plot]'"
+
+BENCH_KEYS: dict[str, str] = {
+    "scheme": "the scheme as a CLI string (raw, affine8, ...)",
+    "context": "prompt tokens N",
+    "kv_bytes_allocated": "bytes the caches of all layers hold at the end of the run (N + decode_tokens "
+    "positions), growth slack included",
+    "kv_bytes_live": "bytes that encode the live positions, all layers",
+    "bytes_per_token": "kv_bytes_live / positions held (N + decode_tokens)",
+    "bytes_ratio_vs_raw": "bytes_per_token / raw's bytes_per_token at the same context (null without butter-raw)",
+    "peak_memory_bytes": "MLX peak memory over a run (reset before it; the largest over --repeats): weights, "
+    "activations and caches",
+    "prefill_tok_s": "N / seconds from the start until the first generated token is ready (median over --repeats)",
+    "decode_tok_s": "(decode_tokens - 1) / seconds from the first generated token to the last (median over --repeats)",
+}
+"""Keys of each ``butter bench`` result, in order, with their meaning."""
+
+METADATA_KEYS: dict[str, str] = {
+    "date": "when the run ended (UTC, ISO 8601)",
+    "machine": "CPU/GPU name, core count and OS",
+    "mlx_version": "mlx.core.__version__",
+    "backend": "cpu or gpu (MLX's default device)",
+    "model": "the -m argument, or the default model's name",
+    "butter_version": "butter-core's version",
+    "blas": "the BLAS butter preloaded for MLX's CPU matmuls (null: MLX's bundled one)",
+}
+"""Keys of the ``metadata`` object of both commands' JSON (each adds its settings)."""
+
+
+@attrs.frozen
+class BenchResult:
+    """One scheme at one context length; fields are :data:`BENCH_KEYS`."""
+
+    scheme: str
+    context: int
+    kv_bytes_allocated: int
+    kv_bytes_live: int
+    bytes_per_token: float
+    bytes_ratio_vs_raw: float | None
+    peak_memory_bytes: int
+    prefill_tok_s: float
+    decode_tok_s: float
+
+    def as_dict(self) -> dict:
+        """The JSON row: exactly :data:`BENCH_KEYS`, in order."""
+        return {key: getattr(self, key) for key in BENCH_KEYS}
+
+
+# -- shared with butter quality ----------------------------------------------------
+
+
+def parse_scheme_list(text: str) -> list[CacheKind]:
+    """The kinds a comma-separated ``--kv-cache`` value names (``raw,affine8``), duplicates dropped."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise ConfigError(f"--kv-cache: empty scheme name in {text!r}; give a comma-separated list such as raw,affine8")
+    kinds: list[CacheKind] = []
+    for name in names:
+        kind = parse_kv_cache(name)
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def with_baseline(kinds: Sequence[CacheKind]) -> list[CacheKind]:
+    """``kinds`` with raw first if it is missing and butter-raw is installed."""
+    if BASELINE in kinds or BASELINE.scheme not in get_plugin_host().schemes:
+        return list(kinds)
+    return [BASELINE, *kinds]
+
+
+def engine_for(model: Model, kind: CacheKind) -> Engine:
+    """An engine over ``model``'s network (shared, not copied) whose caches are of ``kind``."""
+    options = attrs.evolve(model.options, kv_cache=kind)
+    return Engine(model.network, options, prefill_chunk=model.engine.prefill_chunk)
+
+
+def check_positions(engine: Engine, positions: int, what: str) -> None:
+    """Raise ConfigError when ``positions`` do not fit the model's window (``what`` says where they come from)."""
+    window = min(spec.max_positions for spec in engine.layer_specs())
+    if positions > window:
+        raise ConfigError(f"{what} needs {positions} positions, more than the model's window of {window}")
+
+
+def machine_description() -> str:
+    """``2-core AMD EPYC, Linux``: the default device's name, the CPU cores, the OS."""
+    name = mx.device_info().get("device_name") or platform.processor() or platform.machine()
+    cores = f"{os.cpu_count()}-core "
+    return f"{'' if default_device_is_gpu() else cores}{name}, {platform.system()}"
+
+
+def run_metadata(model_name: str, **settings) -> dict:
+    """The ``metadata`` object of a JSON report (:data:`METADATA_KEYS`), plus the run's ``settings``."""
+    try:
+        butter_version = importlib_metadata.version("butter-core")
+    except importlib_metadata.PackageNotFoundError:
+        butter_version = "0+source"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_description(),
+        "mlx_version": mx.__version__,
+        "backend": "gpu" if default_device_is_gpu() else "cpu",
+        "model": model_name,
+        "butter_version": butter_version,
+        "blas": LOADED_BLAS,
+        **settings,
+    }
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Fail before a long run, not after it, when ``path``'s directory does not exist."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise ConfigError(f"{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
+
+
+def write_json(path: str | os.PathLike, metadata: dict, rows: Sequence[dict]) -> None:
+    """``{"metadata": {...}, "results": [...]}``, indented."""
+    try:
+        Path(path).write_text(json.dumps({"metadata": metadata, "results": list(rows)}, indent=2) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"--json {path}: {exc.strerror or exc}") from exc
+
+
+class Progress:
+    """A progress bar: ``bench [#########-----------] 5/12 affine8 @ 1024``.
+
+    Redrawn in place on a terminal; elsewhere (a log file, a test) one line per step;
+    with ``stream=None``, silent.
+    """
+
+    def __init__(self, total: int, title: str, stream: TextIO | None, width: int = 20):
+        self.total, self.title, self.width = total, title, width
+        self.stream = stream
+        self.done = 0
+        self.in_place = stream is not None and stream.isatty()
+
+    def step(self, label: str) -> None:
+        """Show that the step ``label`` starts (``done`` steps are finished)."""
+        self._draw(label)
+        self.done += 1
+
+    def finish(self) -> None:
+        """Draw the full bar and end the line."""
+        self.done = self.total
+        self._draw("done")
+        if self.in_place:
+            self.stream.write("\n")
+
+    def _draw(self, label: str) -> None:
+        if self.stream is None:
+            return
+        filled = self.width * self.done // max(self.total, 1)
+        line = f"{self.title} [{'#' * filled}{'-' * (self.width - filled)}] {self.done}/{self.total} {label}"
+        self.stream.write(f"\r{line}\x1b[K" if self.in_place else line + "\n")
+        self.stream.flush()
+
+
+# -- butter bench ------------------------------------------------------------------
+
+
+def bench_prompt(tokenizer: Tokenizer, context: int) -> list[int]:
+    """``context`` token ids of the bench text, repeated as needed."""
+    ids = tokenizer.encode(BENCH_TEXT.read_text(encoding="utf-8"))
+    return (ids * math.ceil(context / len(ids)))[:context]
+
+
+def generate_once(engine: Engine, prompt: Sequence[int], decode_tokens: int) -> tuple[GenerationStats, int]:
+    """Prefill ``prompt`` into fresh caches and decode ``decode_tokens`` greedy tokens (no stop token).
+
+    Returns the generation's statistics and the positions the caches hold at the end.
+    """
+    caches = engine.make_layer_caches()
+    generation = Generation(engine, prompt, caches, max_tokens=decode_tokens)
+    for _ in generation:
+        pass
+    return generation.stats, caches[0].absolute_position
+
+
+def summarize(kind: CacheKind, context: int, runs: Sequence[tuple[GenerationStats, int]]) -> BenchResult:
+    """One result from a scheme's runs at one context: median speeds, the largest peak; no ratio yet."""
+    stats, positions = runs[-1]  # byte accounting is the same in every run
+    return BenchResult(
+        scheme=str(kind),
+        context=context,
+        kv_bytes_allocated=stats.kv_bytes_allocated,
+        kv_bytes_live=stats.kv_bytes_live,
+        bytes_per_token=stats.kv_bytes_live / positions,
+        bytes_ratio_vs_raw=None,
+        peak_memory_bytes=max(s.peak_memory for s, _ in runs),
+        prefill_tok_s=statistics.median(s.prompt_tps for s, _ in runs),
+        decode_tok_s=statistics.median(s.decode_tps for s, _ in runs),
+    )
+
+
+def run_bench(
+    model: Model,
+    kinds: Sequence[CacheKind],
+    contexts: Sequence[int],
+    decode_tokens: int = DEFAULT_DECODE_TOKENS,
+    *,
+    repeats: int = 1,
+    progress_stream: TextIO | None = None,
+) -> list[BenchResult]:
+    """Measure each of ``kinds`` (raw added first when missing) at each context.
+
+    Per context, ``repeats`` rounds each run every scheme once (interleaved); speeds
+    are the median over rounds, peak memory the largest. A progress bar goes to
+    ``progress_stream`` (None: no progress).
+    """
+    if decode_tokens < 2:
+        raise ConfigError(f"--decode-tokens must be at least 2 (decode speed is timed between tokens), got {decode_tokens}")
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {repeats}")
+    kinds = with_baseline(kinds)
+    engines = {kind: engine_for(model, kind) for kind in kinds}
+    for context in contexts:
+        check_positions(model.engine, context + decode_tokens, f"--context {context} with --decode-tokens {decode_tokens}")
+    progress = Progress(len(kinds) * (1 + len(contexts) * repeats), "bench", progress_stream)
+    for kind, engine in engines.items():
+        progress.step(f"warm-up {kind}")
+        generate_once(engine, bench_prompt(model.tokenizer, WARMUP_PROMPT_TOKENS), 2)
+    results: list[BenchResult] = []
+    for context in contexts:
+        prompt = bench_prompt(model.tokenizer, context)
+        runs: dict[CacheKind, list[tuple[GenerationStats, int]]] = {kind: [] for kind in kinds}
+        for round_index in range(repeats):
+            for kind, engine in engines.items():
+                progress.step(f"{kind} @ {context}" + (f", round {round_index + 1}/{repeats}" if repeats > 1 else ""))
+                mx.clear_cache()
+                runs[kind].append(generate_once(engine, prompt, decode_tokens))
+        row = [summarize(kind, context, kind_runs) for kind, kind_runs in runs.items()]
+        raw = next((r for r in row if r.scheme == str(BASELINE)), None)
+        for result in row:
+            ratio = None if raw is None else result.bytes_per_token / raw.bytes_per_token
+            results.append(attrs.evolve(result, bytes_ratio_vs_raw=ratio))
+    progress.finish()
+    return results
+
+
+def format_bench_table(results: Sequence[BenchResult]) -> str:
+    """A Markdown table of ``results``, one row per scheme and context."""
+    lines = [
+        "| scheme | context | KV allocated | KV live | bytes/token | vs raw | peak memory | prefill tok/s | decode tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ratio = "—" if r.bytes_ratio_vs_raw is None else f"{r.bytes_ratio_vs_raw:.3f}"
+        lines.append(
+            f"| {r.scheme} | {r.context} | {format_bytes(r.kv_bytes_allocated)} | {format_bytes(r.kv_bytes_live)} | "
+            f"{r.bytes_per_token:,.0f} | {ratio} | {format_bytes(r.peak_memory_bytes)} | "
+            f"{r.prefill_tok_s:.1f} | {r.decode_tok_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def require_matplotlib() -> None:
+    """Raise ConfigError naming the ``plot`` extra when matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--plot needs matplotlib, which is not installed: {PLOT_INSTALL}") from exc
+
+
+PLOT_PANELS = (
+    ("kv_bytes_allocated", "KV cache allocated (MiB)", 2**-20),
+    ("peak_memory_bytes", "peak memory (MiB)", 2**-20),
+    ("prefill_tok_s", "prefill (tokens/s)", 1),
+    ("decode_tok_s", "decode (tokens/s)", 1),
+)
+
+
+def write_plot(results: Sequence[BenchResult], metadata: dict, path: str | os.PathLike) -> None:
+    """A PNG of memory and speed against context, one line per scheme (needs matplotlib)."""
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 8), layout="constrained")
+    axes = figure.subplots(2, 2).flatten()
+    for scheme in dict.fromkeys(r.scheme for r in results):
+        rows = sorted((r for r in results if r.scheme == scheme), key=lambda r: r.context)
+        for ax, (key, _, scale) in zip(axes, PLOT_PANELS):
+            ax.plot([r.context for r in rows], [getattr(r, key) * scale for r in rows], marker="o", label=scheme)
+    for ax, (_, label, _) in zip(axes, PLOT_PANELS):
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(title="KV cache")
+    figure.suptitle(
+        f"butter bench: {metadata['model']} on {metadata['machine']}, "
+        f"mlx {metadata['mlx_version']} ({metadata['backend']}), {metadata['date'][:10]}"
+    )
+    try:
+        figure.savefig(path, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"--plot {path}: {exc.strerror or exc}") from exc

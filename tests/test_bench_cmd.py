@@ -1,0 +1,115 @@
+"""``butter bench`` on tiny real model directories: JSON keys, byte ratios, progress, plot, errors."""
+
+import json
+import sys
+
+import pytest
+
+from butter_core.benchmark import BENCH_KEYS, METADATA_KEYS
+from butter_core.cli import main
+from butter_core.plugins import get_plugin_host
+from butter_core.testing.tiny_models import TinySpec
+
+pytestmark = pytest.mark.usefixtures("raw_scheme")
+
+EXPECTED_KEYS = [
+    "scheme", "context", "kv_bytes_allocated", "kv_bytes_live", "bytes_per_token",
+    "bytes_ratio_vs_raw", "peak_memory_bytes", "prefill_tok_s", "decode_tok_s",
+]  # fmt: skip
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # the tiny qwen3 model
+
+
+@pytest.fixture
+def model_path(tiny_model):
+    return str(tiny_model(TinySpec(family="qwen3")))
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_has_exactly_the_documented_keys_and_raw_is_the_measured_baseline(capsys, model_path, tmp_path):
+    report = tmp_path / "bench.json"
+    argv = ["bench", "-m", model_path, "--kv-cache", "raw-float16", "--context", "40,80", "--decode-tokens", "3",
+            "--repeats", "2"]  # fmt: skip
+    code, out, err = run(capsys, *argv, "--json", str(report))
+    assert code == 0
+    data = json.loads(report.read_text())
+    assert list(data) == ["metadata", "results"]
+    assert list(BENCH_KEYS) == EXPECTED_KEYS
+    assert set(METADATA_KEYS) <= set(data["metadata"])
+    assert data["metadata"]["model"] == model_path and data["metadata"]["backend"] in ("cpu", "gpu")
+    assert data["metadata"]["repeats"] == 2 and data["metadata"]["decode_tokens"] == 3
+    rows = data["results"]
+    assert all(list(row) == EXPECTED_KEYS for row in rows)
+    # raw is added as the baseline and measured side by side, schemes interleaved per context
+    assert [(r["scheme"], r["context"]) for r in rows] == [
+        ("raw", 40), ("raw-float16", 40), ("raw", 80), ("raw-float16", 80)
+    ]  # fmt: skip
+    for r in rows:
+        positions = r["context"] + 3
+        element_bytes = 4 if r["scheme"] == "raw" else 2  # tiny models are float32
+        assert r["bytes_per_token"] == LAYERS * KV_HEADS * HEAD_DIM * 2 * element_bytes
+        assert r["kv_bytes_live"] == r["bytes_per_token"] * positions
+        assert r["kv_bytes_allocated"] >= r["kv_bytes_live"]
+        assert r["bytes_ratio_vs_raw"] == (1.0 if r["scheme"] == "raw" else 0.5)
+        assert r["peak_memory_bytes"] >= r["kv_bytes_allocated"] > 0
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    table = [line for line in out.splitlines() if line.startswith("| raw")]
+    assert len(table) == 4
+    assert "raw-float16 @ 80, round 2/2" in err and err.rstrip().endswith("done")
+
+
+def test_every_installed_scheme_runs(capsys, model_path, tmp_path):
+    """Whatever plugins are installed: each scheme's first example that fits head_dim 32."""
+    names = []
+    for registered in get_plugin_host().schemes.values():
+        for example in registered.scheme.examples:
+            try:
+                registered.scheme.parse(example).check_layer(HEAD_DIM)
+            except ValueError:
+                continue
+            names.append(example)
+            break
+    report = tmp_path / "all.json"
+    code, _, err = run(capsys, "bench", "-m", model_path, "--kv-cache", ",".join(names), "--context", "24",
+                       "--decode-tokens", "2", "--json", str(report))  # fmt: skip
+    assert code == 0, err
+    rows = json.loads(report.read_text())["results"]
+    assert {row["scheme"] for row in rows} >= set(names) - {"raw"}
+    assert all(row["bytes_ratio_vs_raw"] > 0 for row in rows)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--kv-cache", "nosuch9"], "unknown KV cache scheme 'nosuch9'"),
+        (["--kv-cache", "raw,,raw-float16"], "empty scheme name"),
+        (["--context", "500", "--decode-tokens", "32"], "needs 532 positions, more than the model's window of 512"),
+        (["--decode-tokens", "1"], "--decode-tokens must be at least 2"),
+        (["--plot", "/nonexistent-dir/bench.png"], "does not exist"),
+        (["--json", "/nonexistent-dir/bench.json"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys, model_path, flags, message):
+    code, out, err = run(capsys, "bench", "-m", model_path, "--context", "16", *flags)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("butter bench: error: ") and message in err
+
+
+def test_plot_without_matplotlib_names_the_extra_before_running(capsys, model_path, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an absent package looks like to `import`
+    code, out, err = run(capsys, "bench", "-m", model_path, "--context", "16", "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "pip install 'butter-core[plot]'" in err
+
+
+def test_plot_is_a_png(capsys, model_path, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "bench.png"
+    code, _, _ = run(capsys, "bench", "-m", model_path, "--kv-cache", "raw,raw-float16", "--context", "16,32",
+                     "--decode-tokens", "2", "--plot", str(plot))  # fmt: skip
+    assert code == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
