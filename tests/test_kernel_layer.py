@@ -15,14 +15,16 @@ from butter_core.kernels import (
     default_device_is_gpu,
     gpu_backend,
     relative_error,
+    split_k,
 )
 from butter_core.kernels.dialect import HEADER, PREAMBLE
 
 BACKENDS = ("metal", "cuda")
-MACROS = ("BT_SHARED", "BT_BARRIER", "BT_GLOBAL", "BT_PRIVATE", "BT_FUNC", "BT_NEG_INF",
-          "BT_WARP_SIZE")
-FUNCTIONS = ("bt_to_float", "bt_from_float", "bt_exp", "bt_exp2", "bt_shuffle_xor",
-             "bt_group_sum", "bt_group_max", "bt_warp_sum", "bt_warp_max", "bt_load")
+MACROS = ("BT_SHARED", "BT_SHARED_PTR", "BT_BARRIER", "BT_GLOBAL", "BT_PRIVATE", "BT_FUNC",
+          "BT_NEG_INF", "BT_WARP_SIZE")
+FUNCTIONS = ("bt_to_float", "bt_from_float", "bt_exp", "bt_exp2", "bt_sqrt", "bt_rint",
+             "bt_as_float", "bt_shuffle_xor", "bt_group_sum", "bt_group_max", "bt_warp_sum",
+             "bt_warp_max", "bt_load")
 LOCALS = {"block_idx", "thread_idx", "block_dim", "grid_dim", "global_idx", "thread_rank",
           "lane_id", "warp_id"}
 # Metal appends a thread attribute to the generated signature when its name occurs in
@@ -118,3 +120,46 @@ def test_relative_error_and_check_result():
     assert math.isnan(relative_error(mx.array([math.nan, 4.0]), ref))
     assert not CheckResult("k", {}, math.nan, 1e-2).passed
     assert CheckResult("k", {}, 1e-3, 1e-2).passed
+
+
+def test_split_k_helpers_are_dialect_only():
+    """One text for both backends: no backend switch, shared pointers through the dialect."""
+    helpers = split_k.SPLIT_K_HELPERS
+    assert "#if" not in helpers and "__METAL_VERSION__" not in helpers
+    assert "BT_SHARED_PTR float* warp_m" in helpers
+    for name in ("struct SplitKBlock", "splitk_block(", "splitk_merge_lanes(",
+                 "splitk_write_partials("):
+        assert name in helpers
+    merge = split_k._MERGE
+    assert merge.name == "butter_split_k_merge"
+    for backend in BACKENDS:
+        assert merge.source(backend).endswith(merge.body)
+
+
+def test_split_k_sizes():
+    assert split_k.heads_per_block(4, 4) == 4 and split_k.heads_per_block(12, 4) == 4
+    assert split_k.heads_per_block(7, 4) == 1 and split_k.heads_per_block(6, 4) == 3
+    assert split_k.num_splits(10, 8, min_keys=64, target_blocks=528) == 1
+    assert split_k.num_splits(131072, 8, min_keys=64, target_blocks=528) == 66
+    assert split_k.num_splits(1000, 8, min_keys=64, target_blocks=528) == 16
+
+
+def test_split_k_plan():
+    launch = split_k.plan(batch=2, q_heads=24, kv_heads=2, dims=64, length=777, warps=4,
+                          max_heads=8, min_keys=64, target_blocks=512)
+    # 12 query heads per KV head, served 6 per threadgroup: 2 * 24 / 6 = 8 threadgroups per split.
+    assert launch.heads == 6 and launch.n_splits == math.ceil(777 / 64)
+    assert launch.grid == (4 * 32 * 8, launch.n_splits, 1)
+    assert launch.threadgroup == (128, 1, 1)
+    assert launch.output_shapes == ((2, 24, 13, 64), (2, 24, 13), (2, 24, 13))
+    assert launch.output_dtypes == (mx.float32,) * 3
+    one = split_k.plan(batch=1, q_heads=8, kv_heads=8, dims=128, length=1, warps=8,
+                       max_heads=4, min_keys=64, target_blocks=512)
+    assert (one.heads, one.n_splits, one.grid) == (1, 1, (256 * 8, 1, 1))
+
+
+@no_gpu
+def test_merge_partials_needs_a_gpu():
+    partial_max = mx.zeros((1, 2, 3))
+    with pytest.raises(KernelUnavailableError):
+        split_k.merge_partials(mx.zeros((1, 2, 3, 64)), partial_max, partial_max, mx.float16)

@@ -4,11 +4,14 @@
 - ``dialect``: the vocabulary kernel bodies are written in, per backend.
 - ``kernel``: ``Kernel``, a lazily built custom kernel, and output poisoning.
 - ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
+- ``split_k``: the split-K (flash-decoding) helpers, launch plan and merge kernel that
+  every fused single-query attention kernel shares.
 """
 
 from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend
 from butter_core.kernels.checks import CheckResult, KernelCheck, relative_error
 from butter_core.kernels.kernel import Kernel, KernelUnavailableError, poisoned_outputs
+from butter_core.kernels import split_k
 
 __all__ = [
     "Backend",
@@ -20,4 +23,5 @@ __all__ = [
     "gpu_backend",
     "poisoned_outputs",
     "relative_error",
+    "split_k",
 ]

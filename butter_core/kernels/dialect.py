@@ -11,6 +11,8 @@ Locals bound by the preamble (prepended to every body):
     lane_id, warp_id   unsigned int, index in the warp / simdgroup and of it
 Macros:
     BT_SHARED          qualifier of a static shared (threadgroup) array
+    BT_SHARED_PTR      address space of a pointer to shared memory in helper signatures
+                       (``BT_SHARED_PTR float* buf``: Metal's ``threadgroup``, nothing on CUDA)
     BT_BARRIER         threadgroup barrier with shared-memory ordering
     BT_GLOBAL          address space of input/output pointers in helper signatures
     BT_PRIVATE         address space of a thread's own arrays in helper signatures
@@ -20,7 +22,8 @@ Macros:
     BT_DYNAMIC_SHARED(type, name)   CUDA only: the kernel's dynamic shared array
 Functions:
     bt_to_float(x), bt_from_float<T>(f)   float32 / float16 / bfloat16 <-> float
-    bt_exp(x), bt_exp2(x)
+    bt_exp(x), bt_exp2(x), bt_sqrt(x), bt_rint(x)   float; rint rounds half to even
+    bt_as_float(u)                        the float whose bits are the uint32_t u
     bt_shuffle_xor(v, mask)               butterfly exchange within a warp
     bt_group_sum<W>(v), bt_group_max<W>(v)   reduce over aligned groups of W lanes
     bt_warp_sum(v), bt_warp_max(v)        reduce over the whole warp
@@ -81,6 +84,7 @@ _CUDA_PREAMBLE = """\
 
 _METAL_PRIMITIVES = """\
 #define BT_SHARED threadgroup
+#define BT_SHARED_PTR threadgroup
 #define BT_BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)
 #define BT_GLOBAL device
 #define BT_PRIVATE thread
@@ -92,6 +96,9 @@ template <typename T> BT_FUNC float bt_to_float(T x) { return static_cast<float>
 template <typename T> BT_FUNC T bt_from_float(float x) { return static_cast<T>(x); }
 BT_FUNC float bt_exp(float x) { return metal::exp(x); }
 BT_FUNC float bt_exp2(float x) { return metal::exp2(x); }
+BT_FUNC float bt_sqrt(float x) { return metal::sqrt(x); }
+BT_FUNC float bt_rint(float x) { return metal::rint(x); }
+BT_FUNC float bt_as_float(uint32_t u) { return as_type<float>(u); }
 BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return simd_shuffle_xor(v, static_cast<ushort>(mask));
 }
@@ -106,6 +113,7 @@ BT_FUNC void bt_load(const BT_GLOBAL T* src, BT_PRIVATE float* dst) {
 
 _CUDA_PRIMITIVES = """\
 #define BT_SHARED __shared__
+#define BT_SHARED_PTR
 #define BT_BARRIER __syncthreads()
 #define BT_GLOBAL
 #define BT_PRIVATE
@@ -125,6 +133,9 @@ template <> BT_FUNC __nv_bfloat16 bt_from_float<__nv_bfloat16>(float x) {
 }
 BT_FUNC float bt_exp(float x) { return __expf(x); }
 BT_FUNC float bt_exp2(float x) { return exp2f(x); }
+BT_FUNC float bt_sqrt(float x) { return sqrtf(x); }
+BT_FUNC float bt_rint(float x) { return rintf(x); }
+BT_FUNC float bt_as_float(uint32_t u) { return __uint_as_float(u); }
 BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return __shfl_xor_sync(0xffffffffu, v, mask);
 }

@@ -6,11 +6,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from butter_core.kernels import gpu_backend, relative_error
+from butter_core.kernels import gpu_backend, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
 
 from butter_affine import codec
-from butter_affine.kernels import KERNEL_CHECKS, decode, dequantize, quantize, split_k
+from butter_affine.kernels import KERNEL_CHECKS, decode, dequantize, quantize
 from butter_affine.ops import quantized_matmul_decode
 from butter_affine.packing import BUFFERS
 
@@ -100,16 +100,19 @@ def test_decode_rejects_bad_arguments(bad):
         decode.decode_attention_reference(**{**inputs, **bad})
 
 
-def test_split_sizes():
-    assert split_k.heads_per_block(4, 4) == 4 and split_k.heads_per_block(12, 4) == 4
-    assert split_k.heads_per_block(7, 4) == 1 and split_k.heads_per_block(6, 4) == 3
-    assert split_k.num_splits(10, 8, min_keys=64, target_blocks=528) == 1
-    assert split_k.num_splits(131072, 8, min_keys=64, target_blocks=528) == 66
-    assert split_k.num_splits(1000, 8, min_keys=64, target_blocks=528) == 16
-
-
 def test_kernel_bodies_are_one_source_for_both_backends():
-    """Each kernel's body is the same text on Metal and CUDA; only the dialect's preamble differs."""
-    for kernel in (quantize._QUANTIZE, dequantize._DEQUANTIZE, decode._PARTIALS, split_k._MERGE):
+    """Each kernel's body and helpers are the same text on Metal and CUDA, with no backend
+    switch of their own; only the dialect's preamble and header differ."""
+    for kernel in (quantize._QUANTIZE, dequantize._DEQUANTIZE, decode._PARTIALS):
         metal, cuda = kernel.source("metal"), kernel.source("cuda")
         assert metal.endswith(kernel.body) and cuda.endswith(kernel.body)
+        assert kernel.header("metal").endswith(kernel.helpers) and kernel.header("cuda").endswith(kernel.helpers)
+        assert "#if" not in kernel.body + kernel.helpers
+
+
+def test_decode_uses_the_shared_split_k_pieces():
+    assert split_k.SPLIT_K_HELPERS in decode._PARTIALS.helpers
+    launch = split_k.plan(batch=1, q_heads=32, kv_heads=8, dims=128, length=131072, warps=decode.WARPS,
+                          max_heads=decode.MAX_HEADS, min_keys=decode.MIN_KEYS_PER_SPLIT,
+                          target_blocks=decode.TARGET_BLOCKS)
+    assert (launch.heads, launch.n_splits) == (4, 66)

@@ -1,7 +1,8 @@
 """The raw cache's GPU kernels, each with the pure-mx reference it must match.
 
 - ``sdpa_decode``: attention of one query token over the live prefix of a K/V buffer,
-  flash-decoding split-K in two kernels (partials per split, then a merge). On the
+  flash-decoding split-K in two kernels: partials per split, then the merge kernel of
+  ``butter_core.kernels.split_k`` (which also supplies the in-kernel merges). On the
   H200 (bf16, 32/8 heads, D=128, amortised) it ties MLX's
   ``mx.fast.scaled_dot_product_attention`` at 4k and takes ~1.4x / ~1.65x its time at
   32k / 128k, where MLX's kernel reads the live slice ``k[:, :, :L]`` at ~4 TB/s
@@ -19,12 +20,10 @@ conformance suite.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 
-from butter_core.kernels import Kernel, KernelCheck
+from butter_core.kernels import Kernel, KernelCheck, split_k
 
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -43,6 +42,7 @@ _SDPA_PARTIALS = Kernel(
     name="butter_raw_sdpa_decode_partials",
     input_names=("queries", "keys", "values", "length", "scale"),
     output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=split_k.SPLIT_K_HELPERS,
     body="""
   // One threadgroup: one (batch, kv head, group of HEADS query heads) and one split of
   // the live keys. A key's D values are spread over LANES_PER_KEY lanes, VEC per lane,
@@ -54,43 +54,29 @@ _SDPA_PARTIALS = Kernel(
   constexpr int KEYS_PER_WARP = BT_WARP_SIZE / LANES_PER_KEY;
   constexpr int KEYS_PER_STEP = WARPS * KEYS_PER_WARP * TILE;
 
-  const int q_heads = queries_shape[1];
-  const int kv_heads = keys_shape[1];
+  const SplitKBlock block = splitk_block<HEADS>(
+      block_idx, grid_dim, queries_shape[1], keys_shape[1], length[0]);
+  const int start = block.start;
+  const int end = block.end;
   const int allocated = keys_shape[2];
-  const int group = q_heads / kv_heads;
-  const int chunks_per_kv_head = group / HEADS;
-  const int live = length[0];
-  const int n_splits = grid_dim.y;
-  const int split = block_idx.y;
-
-  const int head_chunk = block_idx.x % chunks_per_kv_head;
-  const int batch_kv_head = block_idx.x / chunks_per_kv_head;
-  const int batch = batch_kv_head / kv_heads;
-  const int kv_head = batch_kv_head % kv_heads;
-  const int first_q_head = batch * q_heads + kv_head * group + head_chunk * HEADS;
-
-  const int chunk = (live + n_splits - 1) / n_splits;
-  const int start = split * chunk;
-  const int end = start + chunk < live ? start + chunk : live;
-
   const int sub = lane_id % LANES_PER_KEY;
   const int slot = lane_id / LANES_PER_KEY;
-  const int64_t kv_offset = static_cast<int64_t>(batch_kv_head) * allocated * D + sub * VEC;
+  const int64_t kv_offset = static_cast<int64_t>(block.batch_kv_head) * allocated * D + sub * VEC;
 
   const float q_scale = scale[0] * 1.4426950408889634f;
   float q[HEADS][VEC];
   float m[HEADS];
   float l[HEADS];
-  float acc[HEADS][VEC];
+  float acc[HEADS * VEC];
 #pragma unroll
   for (int h = 0; h < HEADS; ++h) {
-    bt_load<VEC>(queries + static_cast<int64_t>(first_q_head + h) * D + sub * VEC, q[h]);
+    bt_load<VEC>(queries + static_cast<int64_t>(block.first_q_head + h) * D + sub * VEC, q[h]);
     m[h] = BT_NEG_INF;
     l[h] = 0.0f;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       q[h][i] *= q_scale;
-      acc[h][i] = 0.0f;
+      acc[h * VEC + i] = 0.0f;
     }
   }
 
@@ -127,7 +113,7 @@ _SDPA_PARTIALS = Kernel(
         l[h] *= correction;
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          acc[h][i] *= correction;
+          acc[h * VEC + i] *= correction;
         }
 #pragma unroll
         for (int t = 0; t < TILE; ++t) {
@@ -135,7 +121,7 @@ _SDPA_PARTIALS = Kernel(
           l[h] += p;
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            acc[h][i] += p * v[t][i];
+            acc[h * VEC + i] += p * v[t][i];
           }
         }
         m[h] = m_new;
@@ -143,100 +129,14 @@ _SDPA_PARTIALS = Kernel(
     }
   }
 
-  // Merge the KEYS_PER_WARP streams of each warp (lanes that share `sub`).
-#pragma unroll
-  for (int h = 0; h < HEADS; ++h) {
-    float m_all = m[h];
-    for (int offset = LANES_PER_KEY; offset < BT_WARP_SIZE; offset *= 2) {
-      const float other = bt_shuffle_xor(m_all, offset);
-      m_all = other > m_all ? other : m_all;
-    }
-    const float weight = m[h] == BT_NEG_INF ? 0.0f : bt_exp2(m[h] - m_all);
-    float l_all = l[h] * weight;
-    for (int offset = LANES_PER_KEY; offset < BT_WARP_SIZE; offset *= 2) {
-      l_all += bt_shuffle_xor(l_all, offset);
-    }
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      float a = acc[h][i] * weight;
-      for (int offset = LANES_PER_KEY; offset < BT_WARP_SIZE; offset *= 2) {
-        a += bt_shuffle_xor(a, offset);
-      }
-      acc[h][i] = a;
-    }
-    m[h] = m_all;
-    l[h] = l_all;
-  }
-
-  // Merge the warps through shared memory and write this split's partials.
+  // Merge the KEYS_PER_WARP streams of each warp, then the warps, and write the partials.
+  splitk_merge_lanes<HEADS, VEC, LANES_PER_KEY>(m, l, acc);
   BT_SHARED float warp_m[WARPS * HEADS];
   BT_SHARED float warp_l[WARPS * HEADS];
   BT_SHARED float warp_acc[WARPS * HEADS * D];
-  if (slot == 0) {
-#pragma unroll
-    for (int h = 0; h < HEADS; ++h) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        warp_acc[(warp_id * HEADS + h) * D + sub * VEC + i] = acc[h][i];
-      }
-      if (sub == 0) {
-        warp_m[warp_id * HEADS + h] = m[h];
-        warp_l[warp_id * HEADS + h] = l[h];
-      }
-    }
-  }
-  BT_BARRIER;
-  for (int e = thread_rank; e < HEADS * D; e += WARPS * BT_WARP_SIZE) {
-    const int h = e / D;
-    const int d = e % D;
-    float m_all = BT_NEG_INF;
-    for (int w = 0; w < WARPS; ++w) {
-      const float mw = warp_m[w * HEADS + h];
-      m_all = mw > m_all ? mw : m_all;
-    }
-    float l_all = 0.0f;
-    float a = 0.0f;
-    for (int w = 0; w < WARPS; ++w) {
-      const float mw = warp_m[w * HEADS + h];
-      const float weight = mw == BT_NEG_INF ? 0.0f : bt_exp2(mw - m_all);
-      l_all += weight * warp_l[w * HEADS + h];
-      a += weight * warp_acc[(w * HEADS + h) * D + d];
-    }
-    const int64_t part = static_cast<int64_t>(first_q_head + h) * n_splits + split;
-    partial_acc[part * D + d] = a;
-    if (d == 0) {
-      partial_max[part] = m_all;
-      partial_sum[part] = l_all;
-    }
-  }
-""",
-)
-
-_SDPA_MERGE = Kernel(
-    name="butter_raw_sdpa_decode_merge",
-    input_names=("partial_acc", "partial_max", "partial_sum"),
-    output_names=("out",),
-    body="""
-  // One threadgroup per (batch, query head), one thread per output dimension.
-  const int n_splits = partial_max_shape[2];
-  const int dims = partial_acc_shape[3];
-  const int64_t head = block_idx.x;
-  const int d = thread_idx.x;
-  float m_all = BT_NEG_INF;
-  for (int s = 0; s < n_splits; ++s) {
-    const float ms = partial_max[head * n_splits + s];
-    m_all = ms > m_all ? ms : m_all;
-  }
-  float l_all = 0.0f;
-  float a = 0.0f;
-  for (int s = 0; s < n_splits; ++s) {
-    const int64_t part = head * n_splits + s;
-    const float ms = partial_max[part];
-    const float weight = ms == BT_NEG_INF ? 0.0f : bt_exp2(ms - m_all);
-    l_all += weight * partial_sum[part];
-    a += weight * partial_acc[part * dims + d];
-  }
-  out[head * dims + d] = bt_from_float<T>(a / l_all);
+  splitk_write_partials<HEADS, VEC, D, WARPS>(
+      m, l, acc, sub, slot, warp_id, thread_rank, block,
+      warp_m, warp_l, warp_acc, partial_acc, partial_max, partial_sum);
 """,
 )
 
@@ -259,19 +159,6 @@ _KV_CACHE_UPDATE = Kernel(
                                       : cache[index];
 """,
 )
-
-
-def _heads_per_block(group: int) -> int:
-    """The largest divisor of the GQA group size that one threadgroup can serve."""
-    return max(h for h in range(1, min(group, _MAX_HEADS_PER_BLOCK) + 1) if group % h == 0)
-
-
-def _num_splits(length: int, blocks_per_split: int) -> int:
-    """Splits of the live keys: enough threadgroups to fill the GPU, but never fewer
-    than ``_MIN_KEYS_PER_SPLIT`` keys per split. Chosen per call, not compiled in."""
-    by_length = math.ceil(length / _MIN_KEYS_PER_SPLIT)
-    by_occupancy = math.ceil(_TARGET_BLOCKS / blocks_per_split)
-    return max(1, min(by_length, by_occupancy))
 
 
 def _check_attention_args(
@@ -307,13 +194,12 @@ def sdpa_decode(
     batch, q_heads, _, dims = queries.shape
     if dims not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim {dims} not in {SUPPORTED_HEAD_DIMS}")
-    kv_heads = keys.shape[1]
-    heads = _heads_per_block(q_heads // kv_heads)
-    blocks = batch * q_heads // heads
-    n_splits = _num_splits(length, blocks)
-    threads = _WARPS * 32
-    partial_shape = (batch, q_heads, n_splits)
-    partial_acc, partial_max, partial_sum = _SDPA_PARTIALS(
+    launch = split_k.plan(
+        batch=batch, q_heads=q_heads, kv_heads=keys.shape[1], dims=dims, length=length,
+        warps=_WARPS, max_heads=_MAX_HEADS_PER_BLOCK, min_keys=_MIN_KEYS_PER_SPLIT,
+        target_blocks=_TARGET_BLOCKS,
+    )
+    partials = _SDPA_PARTIALS(
         inputs=[
             queries,
             keys,
@@ -321,22 +207,14 @@ def sdpa_decode(
             mx.array([length], dtype=mx.int32),
             mx.array([scale], dtype=mx.float32),
         ],
-        template=[("T", dtype), ("D", dims), ("HEADS", heads), ("WARPS", _WARPS),
+        template=[("T", dtype), ("D", dims), ("HEADS", launch.heads), ("WARPS", _WARPS),
                   ("TILE", _TILE)],
-        grid=(threads * blocks, n_splits, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(*partial_shape, dims), partial_shape, partial_shape],
-        output_dtypes=[mx.float32] * 3,
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=launch.output_shapes,
+        output_dtypes=launch.output_dtypes,
     )
-    (out,) = _SDPA_MERGE(
-        inputs=[partial_acc, partial_max, partial_sum],
-        template=[("T", dtype)],
-        grid=(dims * batch * q_heads, 1, 1),
-        threadgroup=(dims, 1, 1),
-        output_shapes=[queries.shape],
-        output_dtypes=[dtype],
-    )
-    return out
+    return split_k.merge_partials(*partials, dtype)
 
 
 def sdpa_decode_reference(

@@ -6,8 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from butter_core.kernels import gpu_backend, relative_error
+from butter_core.kernels import gpu_backend, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
+from butter_raw import kernels
 from butter_raw.kernels import (
     KERNEL_CHECKS,
     kv_cache_update_reference,
@@ -102,3 +103,19 @@ def test_update_rejects_rows_past_the_end():
     inputs["offset"] = 7
     with pytest.raises(ValueError, match="overrun"):
         kv_cache_update_reference(**inputs)
+
+
+def test_sdpa_decode_uses_the_shared_split_k_pieces():
+    """The partials kernel takes its merges from butter_core's split_k (the merge kernel is
+    split_k's too); no backend switch of its own."""
+    assert kernels._SDPA_PARTIALS.helpers == split_k.SPLIT_K_HELPERS
+    for name in ("splitk_block<HEADS>", "splitk_merge_lanes<", "splitk_write_partials<"):
+        assert name in kernels._SDPA_PARTIALS.body
+    assert "#if" not in kernels._SDPA_PARTIALS.body
+    launch = split_k.plan(batch=1, q_heads=32, kv_heads=8, dims=128, length=131072,
+                          warps=kernels._WARPS, max_heads=kernels._MAX_HEADS_PER_BLOCK,
+                          min_keys=kernels._MIN_KEYS_PER_SPLIT,
+                          target_blocks=kernels._TARGET_BLOCKS)
+    # What sdpa_decode launched before the move: 4 query heads per block, 64 splits.
+    assert (launch.heads, launch.n_splits) == (4, 64)
+    assert launch.grid == (128 * 8, 64, 1) and launch.threadgroup == (128, 1, 1)

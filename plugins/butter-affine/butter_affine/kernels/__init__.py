@@ -4,7 +4,7 @@ each paired with a pure-mx reference in ``KERNEL_CHECKS``.
 - ``quantize.quantize_kv``: new K/V rows -> codes, scales, biases (appends).
 - ``dequantize.dequantize_kv``: the live slots as floats (prefill attention).
 - ``decode.decode_attention``: fused single-token attention reading the codes
-  (split-K, with the scheme-independent pieces in ``split_k``).
+  (split-K, with the scheme-independent pieces in ``butter_core.kernels.split_k``).
 """
 
 from __future__ import annotations

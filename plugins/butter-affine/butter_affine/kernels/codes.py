@@ -8,7 +8,6 @@
   boundary, as floats, each times ``2^affine_shift<BITS>(i)`` (see below).
 - ``affine_weight<BITS>(i)``: ``2^-affine_shift<BITS>(i)``, the factor that turns
   ``out[i]`` back into the code (exact: a power of two).
-- ``affine_rint(x)``: round half to even, as ``mx.round`` and MLX's quantizer do.
 
 Why the shifted units: converting an integer to float is a slow instruction on NVIDIA
 GPUs (a quarter of the FMA rate or less). ``affine_unpack`` instead ORs a code, left
@@ -18,20 +17,13 @@ in place; codes higher in a word are masked in the word's upper half; a 6-bit co
 straddles two words is shifted down. Kernels fold ``affine_weight`` into the query (for
 ``q . k``) or apply it once at the end (for ``sum p v``), so the hot loop never does.
 
-Two helpers need what the dialect does not yet have (a float bit-cast and ``rint``);
-they are the only lines that differ between Metal and CUDA.
+Rounding (``bt_rint``: half to even, as ``mx.round`` and MLX's quantizer do) and the
+float bit-cast (``bt_as_float``) come from the dialect, so no line here differs between
+Metal and CUDA.
 """
 
 CODE_HELPERS = r"""
 // ---- butter-affine: MLX-packed affine codes --------------------------------------
-#if defined(__METAL_VERSION__)
-BT_FUNC float affine_as_float(uint32_t bits) { return as_type<float>(bits); }
-BT_FUNC float affine_rint(float x) { return metal::rint(x); }
-#else
-BT_FUNC float affine_as_float(uint32_t bits) { return __uint_as_float(bits); }
-BT_FUNC float affine_rint(float x) { return rintf(x); }
-#endif
-
 // Code i of a run starting on a word boundary lies at bit (i * BITS) % 32 of word
 // (i * BITS) / 32; affine_unpack leaves it at this bit offset.
 template <int BITS> BT_FUNC constexpr int affine_shift(int i) {
@@ -85,7 +77,7 @@ BT_FUNC void affine_unpack(const BT_PRIVATE uint32_t* words, BT_PRIVATE float* o
     } else {
       field = words[word] & (MASK << off);
     }
-    out[i] = affine_as_float(field | 0x4B000000u) - 8388608.0f;
+    out[i] = bt_as_float(field | 0x4B000000u) - 8388608.0f;
   }
 }
 """

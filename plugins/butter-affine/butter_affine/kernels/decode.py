@@ -1,8 +1,8 @@
 """``decode_attention``: one query token attending over packed K/V, read as codes.
 
-Split-K flash-decoding (``split_k``): a partials kernel over splits of the live keys,
-then the shared merge kernel. The partials kernel never materialises a dequantized key
-or value. Per lane, a key's ``ELEMS`` values lie in one group, so
+Split-K flash-decoding (``butter_core.kernels.split_k``): a partials kernel over splits
+of the live keys, then the shared merge kernel. The partials kernel never materialises a
+dequantized key or value. Per lane, a key's ``ELEMS`` values lie in one group, so
 
     score = scale_k * (q . codes_k) + bias_k * sum(q)
     out   = (sum_t p_t * scale_v,t * codes_v,t) + (sum_t p_t * bias_v,t)
@@ -32,10 +32,9 @@ import mlx.core as mx
 import numpy as np
 
 from butter_core.cache import reference_attention
-from butter_core.kernels import Kernel
+from butter_core.kernels import Kernel, split_k
 
 from butter_affine import codec
-from butter_affine.kernels import split_k
 from butter_affine.kernels.codes import CODE_HELPERS
 from butter_affine.packing import BUFFERS, PackedFormat
 
@@ -95,28 +94,14 @@ BT_FUNC void affine_fetch_tile(
   constexpr int ROW_WORDS = D * BITS / 32;
   constexpr int GROUPS = D / GROUP;
 
-  const int q_heads = queries_shape[1];
-  const int kv_heads = key_codes_shape[1];
+  const SplitKBlock block = splitk_block<HEADS>(
+      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], length[0]);
+  const int start = block.start;
+  const int end = block.end;
   const int allocated = key_codes_shape[2];
-  const int group = q_heads / kv_heads;
-  const int chunks_per_kv_head = group / HEADS;
-  const int live = length[0];
-  const int n_splits = grid_dim.y;
-  const int split = block_idx.y;
-
-  const int head_chunk = block_idx.x % chunks_per_kv_head;
-  const int batch_kv_head = block_idx.x / chunks_per_kv_head;
-  const int batch = batch_kv_head / kv_heads;
-  const int kv_head = batch_kv_head % kv_heads;
-  const int first_q_head = batch * q_heads + kv_head * group + head_chunk * HEADS;
-
-  const int chunk = (live + n_splits - 1) / n_splits;
-  const int start = split * chunk;
-  const int end = start + chunk < live ? start + chunk : live;
-
   const int sub = lane_id % LANES_PER_KEY;
   const int slot = lane_id / LANES_PER_KEY;
-  const int64_t first_row = static_cast<int64_t>(batch_kv_head) * allocated;
+  const int64_t first_row = static_cast<int64_t>(block.batch_kv_head) * allocated;
   const int64_t code_offset = first_row * ROW_WORDS + sub * WORDS;
   const int64_t group_offset = first_row * GROUPS + (sub * ELEMS) / GROUP;
 
@@ -130,7 +115,7 @@ BT_FUNC void affine_fetch_tile(
 #pragma unroll
   for (int h = 0; h < HEADS; ++h) {
     float q_raw[ELEMS];
-    bt_load<ELEMS>(queries + static_cast<int64_t>(first_q_head + h) * D + sub * ELEMS, q_raw);
+    bt_load<ELEMS>(queries + static_cast<int64_t>(block.first_q_head + h) * D + sub * ELEMS, q_raw);
     q_sum[h] = 0.0f;
 #pragma unroll
     for (int i = 0; i < ELEMS; ++i) {
@@ -248,7 +233,7 @@ BT_FUNC void affine_fetch_tile(
   BT_SHARED float warp_l[WARPS * HEADS];
   BT_SHARED float warp_acc[WARPS * HEADS * D];
   splitk_write_partials<HEADS, ELEMS, D, WARPS>(
-      m, l, acc, sub, slot, warp_id, thread_rank, first_q_head, n_splits, split,
+      m, l, acc, sub, slot, warp_id, thread_rank, block,
       warp_m, warp_l, warp_acc, partial_acc, partial_max, partial_sum);
 """,
 )
@@ -268,20 +253,20 @@ def decode_attention(
     """
     fmt = _check_args(queries, key_codes, key_scales, value_codes, length)
     batch, q_heads, _, dims = queries.shape
-    heads = split_k.heads_per_block(q_heads // key_codes.shape[1], MAX_HEADS)
-    blocks = batch * q_heads // heads
-    n_splits = split_k.num_splits(length, blocks, min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS)
-    threads = WARPS * 32
+    launch = split_k.plan(
+        batch=batch, q_heads=q_heads, kv_heads=key_codes.shape[1], dims=dims, length=length, warps=WARPS,
+        max_heads=MAX_HEADS, min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
+    )
     partials = _PARTIALS(
         inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
                 mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
-                  ("GROUP", fmt.group_size), ("HEADS", heads), ("ELEMS", ELEMS), ("WARPS", WARPS),
+                  ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("ELEMS", ELEMS), ("WARPS", WARPS),
                   ("TILE", TILE[fmt.bits]), ("PREFETCH", PREFETCH)],
-        grid=(threads * blocks, n_splits, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=split_k.partial_shapes(batch, q_heads, n_splits, dims),
-        output_dtypes=[mx.float32] * 3,
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=launch.output_shapes,
+        output_dtypes=launch.output_dtypes,
     )
     return split_k.merge_partials(*partials, queries.dtype)
 

@@ -49,7 +49,7 @@ _QUANTIZE = Kernel(
     scale = scale < 1e-7f ? 1e-7f : scale;
     scale = negative_edge ? scale : -scale;
     const float edge = negative_edge ? w_min : w_max;
-    const float q0 = affine_rint(edge / scale);
+    const float q0 = bt_rint(edge / scale);
     float bias = 0.0f;
     if (q0 != 0.0f) {
       scale = edge / q0;
@@ -68,7 +68,7 @@ _QUANTIZE = Kernel(
     int filled = 0;
     int w = 0;
     for (int j = 0; j < GROUP; ++j) {
-      float c = s == 0.0f ? 0.0f : affine_rint((bt_to_float(src[j]) - b) / s);
+      float c = s == 0.0f ? 0.0f : bt_rint((bt_to_float(src[j]) - b) / s);
       c = c < 0.0f ? 0.0f : (c > MAX_CODE ? MAX_CODE : c);
       const uint32_t code = static_cast<uint32_t>(c);
       word |= code << filled;

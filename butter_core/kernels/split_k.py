@@ -1,0 +1,258 @@
+"""Split-K (flash-decoding) pieces that every fused single-query attention kernel shares.
+
+A fused decode kernel splits the live keys among threadgroups; each keeps, per query
+head, an online-softmax state (running max ``m`` in log2 units, sum ``l`` of
+``exp2(score - m)``, accumulator ``acc`` of ``exp2(score - m) * value``), and writes it
+as a partial. A second, small kernel merges the partials of every split. What is the
+same for every such kernel lives here, scheme-independent; a scheme's partials kernel
+only reads its keys and values its own way.
+
+The launch (``plan``): threadgroups of ``warps * 32`` threads; ``grid.y`` is the split,
+``grid.x`` runs over (batch, KV head, chunk of ``HEADS`` query heads of that KV head's
+GQA group), chunk fastest. ``HEADS`` and ``WARPS`` must be template arguments of the
+partials kernel.
+
+``SPLIT_K_HELPERS`` is kernel-header source in butter's dialect (append it to the
+kernel's ``helpers``):
+
+- ``splitk_block<HEADS>(block_idx, grid_dim, q_heads, kv_heads, live)``: the
+  ``SplitKBlock`` this threadgroup owns: ``batch_kv_head`` (the K/V rows' flat (batch,
+  KV head) index), ``kv_head``, ``first_q_head`` (flat (batch, query head) index of the
+  first of its ``HEADS`` query heads), ``split`` and ``n_splits``, and its keys
+  ``[start, end)`` (possibly empty).
+- ``splitk_merge_lanes<HEADS, VEC, LANES>(m, l, acc)``: merges the states of the lanes
+  of a warp that hold the same ``VEC`` dimensions (lanes ``LANES`` apart, one key slot
+  each: lane = slot * LANES + sub). ``m``, ``l`` are ``[HEADS]``, ``acc`` is
+  ``[HEADS * VEC]``, per lane; afterwards every lane holds its warp's merged state.
+- ``splitk_write_partials<HEADS, VEC, D, WARPS>(m, l, acc, sub, slot, warp_id,
+  thread_rank, block, warp_m, warp_l, warp_acc, partial_acc, partial_max,
+  partial_sum)``: every thread of the threadgroup calls it once, after
+  ``splitk_merge_lanes``; it merges the warps through three shared arrays the kernel
+  declares (``BT_SHARED float warp_m[WARPS * HEADS], warp_l[WARPS * HEADS],
+  warp_acc[WARPS * HEADS * D]``) and writes the split's partials.
+
+Partials are ``partial_acc [B, Hq, splits, D]``, ``partial_max`` and ``partial_sum``
+``[B, Hq, splits]``, all float32 (``SplitKLaunch.output_shapes``/``output_dtypes``); a
+split that saw no key has ``m = -inf, l = 0``. ``merge_partials`` merges them into the
+attention output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import mlx.core as mx
+
+from butter_core.kernels.kernel import Kernel
+
+SPLIT_K_HELPERS = r"""
+// ---- split-K (flash-decoding), butter_core.kernels.split_k ------------------------
+struct SplitKBlock {
+  int batch_kv_head;  // batch * kv_heads + kv_head
+  int kv_head;
+  int first_q_head;   // batch * q_heads + the first of this block's HEADS query heads
+  int split;
+  int n_splits;
+  int start;          // this split's keys: [start, end), end <= live
+  int end;
+};
+
+template <int HEADS>
+BT_FUNC SplitKBlock splitk_block(uint3 block_idx, uint3 grid_dim, int q_heads, int kv_heads, int live) {
+  const int group = q_heads / kv_heads;
+  const int chunks_per_kv_head = group / HEADS;
+  SplitKBlock b;
+  b.n_splits = grid_dim.y;
+  b.split = block_idx.y;
+  const int head_chunk = block_idx.x % chunks_per_kv_head;
+  b.batch_kv_head = block_idx.x / chunks_per_kv_head;
+  const int batch = b.batch_kv_head / kv_heads;
+  b.kv_head = b.batch_kv_head % kv_heads;
+  b.first_q_head = batch * q_heads + b.kv_head * group + head_chunk * HEADS;
+  const int chunk = (live + b.n_splits - 1) / b.n_splits;
+  b.start = b.split * chunk;
+  b.end = b.start + chunk < live ? b.start + chunk : live;
+  return b;
+}
+
+template <int HEADS, int VEC, int LANES>
+BT_FUNC void splitk_merge_lanes(BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* acc) {
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+    float m_all = m[h];
+    for (int offset = LANES; offset < BT_WARP_SIZE; offset *= 2) {
+      const float other = bt_shuffle_xor(m_all, offset);
+      m_all = other > m_all ? other : m_all;
+    }
+    const float weight = m[h] == BT_NEG_INF ? 0.0f : bt_exp2(m[h] - m_all);
+    float l_all = l[h] * weight;
+    for (int offset = LANES; offset < BT_WARP_SIZE; offset *= 2) {
+      l_all += bt_shuffle_xor(l_all, offset);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      float a = acc[h * VEC + i] * weight;
+      for (int offset = LANES; offset < BT_WARP_SIZE; offset *= 2) {
+        a += bt_shuffle_xor(a, offset);
+      }
+      acc[h * VEC + i] = a;
+    }
+    m[h] = m_all;
+    l[h] = l_all;
+  }
+}
+
+// Lanes of key slot 0 (slot == 0) hold their warp's merged state for dimensions
+// [sub * VEC, (sub + 1) * VEC).
+template <int HEADS, int VEC, int D, int WARPS>
+BT_FUNC void splitk_write_partials(
+    const BT_PRIVATE float* m, const BT_PRIVATE float* l, const BT_PRIVATE float* acc,
+    int sub, int slot, int warp, int rank, SplitKBlock block,
+    BT_SHARED_PTR float* warp_m, BT_SHARED_PTR float* warp_l, BT_SHARED_PTR float* warp_acc,
+    BT_GLOBAL float* partial_acc, BT_GLOBAL float* partial_max, BT_GLOBAL float* partial_sum) {
+  if (slot == 0) {
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        warp_acc[(warp * HEADS + h) * D + sub * VEC + i] = acc[h * VEC + i];
+      }
+      if (sub == 0) {
+        warp_m[warp * HEADS + h] = m[h];
+        warp_l[warp * HEADS + h] = l[h];
+      }
+    }
+  }
+  BT_BARRIER;
+  for (int e = rank; e < HEADS * D; e += WARPS * BT_WARP_SIZE) {
+    const int h = e / D;
+    const int d = e % D;
+    float m_all = BT_NEG_INF;
+    for (int w = 0; w < WARPS; ++w) {
+      const float mw = warp_m[w * HEADS + h];
+      m_all = mw > m_all ? mw : m_all;
+    }
+    float l_all = 0.0f;
+    float a = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      const float mw = warp_m[w * HEADS + h];
+      const float weight = mw == BT_NEG_INF ? 0.0f : bt_exp2(mw - m_all);
+      l_all += weight * warp_l[w * HEADS + h];
+      a += weight * warp_acc[(w * HEADS + h) * D + d];
+    }
+    const int64_t part = static_cast<int64_t>(block.first_q_head + h) * block.n_splits + block.split;
+    partial_acc[part * D + d] = a;
+    if (d == 0) {
+      partial_max[part] = m_all;
+      partial_sum[part] = l_all;
+    }
+  }
+}
+"""
+
+_MERGE = Kernel(
+    name="butter_split_k_merge",
+    input_names=("partial_acc", "partial_max", "partial_sum"),
+    output_names=("out",),
+    body="""
+  // One threadgroup per (batch, query head), one thread per output dimension.
+  const int n_splits = partial_max_shape[2];
+  const int dims = partial_acc_shape[3];
+  const int64_t head = block_idx.x;
+  const int d = thread_idx.x;
+  float m_all = BT_NEG_INF;
+  for (int s = 0; s < n_splits; ++s) {
+    const float ms = partial_max[head * n_splits + s];
+    m_all = ms > m_all ? ms : m_all;
+  }
+  float l_all = 0.0f;
+  float a = 0.0f;
+  for (int s = 0; s < n_splits; ++s) {
+    const int64_t part = head * n_splits + s;
+    const float ms = partial_max[part];
+    const float weight = ms == BT_NEG_INF ? 0.0f : bt_exp2(ms - m_all);
+    l_all += weight * partial_sum[part];
+    a += weight * partial_acc[part * dims + d];
+  }
+  out[head * dims + d] = bt_from_float<T>(a / l_all);
+""",
+)
+
+
+def merge_partials(
+    partial_acc: mx.array, partial_max: mx.array, partial_sum: mx.array, dtype: mx.Dtype
+) -> mx.array:
+    """Attention output ``[B, Hq, 1, D]`` in ``dtype`` from the partials of every split."""
+    batch, q_heads, _, dims = partial_acc.shape
+    (out,) = _MERGE(
+        inputs=[partial_acc, partial_max, partial_sum],
+        template=[("T", dtype)],
+        grid=(dims * batch * q_heads, 1, 1),
+        threadgroup=(dims, 1, 1),
+        output_shapes=[(batch, q_heads, 1, dims)],
+        output_dtypes=[dtype],
+    )
+    return out
+
+
+@attrs.frozen
+class SplitKLaunch:
+    """How to launch a partials kernel: pass ``heads`` as its ``HEADS`` template argument
+    and the rest as the ``Kernel`` call's arguments of the same names."""
+
+    heads: int
+    """Query heads one threadgroup serves (``HEADS``)."""
+    n_splits: int
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: tuple[tuple[int, ...], ...]
+    """``partial_acc``, ``partial_max``, ``partial_sum``."""
+    output_dtypes: tuple[mx.Dtype, ...] = (mx.float32,) * 3
+
+
+def plan(
+    *,
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    dims: int,
+    length: int,
+    warps: int,
+    max_heads: int,
+    min_keys: int,
+    target_blocks: int,
+) -> SplitKLaunch:
+    """The launch of a partials kernel over ``length`` live keys: ``warps`` warps per
+    threadgroup (its ``WARPS``), up to ``max_heads`` query heads per threadgroup, splits
+    chosen by ``num_splits``."""
+    heads = heads_per_block(q_heads // kv_heads, max_heads)
+    blocks = batch * q_heads // heads
+    n_splits = num_splits(length, blocks, min_keys=min_keys, target_blocks=target_blocks)
+    threads = warps * 32
+    return SplitKLaunch(
+        heads=heads,
+        n_splits=n_splits,
+        grid=(threads * blocks, n_splits, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=partial_shapes(batch, q_heads, n_splits, dims),
+    )
+
+
+def partial_shapes(batch: int, q_heads: int, n_splits: int, dims: int) -> tuple[tuple[int, ...], ...]:
+    """Output shapes of a partials kernel: acc, max, sum."""
+    return (batch, q_heads, n_splits, dims), (batch, q_heads, n_splits), (batch, q_heads, n_splits)
+
+
+def heads_per_block(group: int, max_heads: int) -> int:
+    """The largest divisor of the GQA group size (query heads per KV head) up to ``max_heads``:
+    the query heads one threadgroup serves from one read of the keys and values."""
+    return max(h for h in range(1, min(group, max_heads) + 1) if group % h == 0)
+
+
+def num_splits(length: int, blocks_per_split: int, *, min_keys: int, target_blocks: int) -> int:
+    """Splits of the live keys: enough threadgroups (``target_blocks``) to fill the GPU, but
+    never fewer than ``min_keys`` keys per split. Chosen per call, never compiled in."""
+    by_length = math.ceil(length / min_keys)
+    by_occupancy = math.ceil(target_blocks / blocks_per_split)
+    return max(1, min(by_length, by_occupancy))
