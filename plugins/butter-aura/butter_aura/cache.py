@@ -1,0 +1,214 @@
+"""``AuraCache``: a layer's keys and values as rotated codebook codes, with a small full-precision budget."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from butter_core.cache import LayerSpec, attend
+from butter_core.config import Aura
+from butter_core.errors import ConfigError
+from butter_core.slots import BufferedSlotCache
+
+from butter_aura import reference
+from butter_aura.codec import SCALE_DTYPE
+from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype
+from butter_aura.rotation import Rotation, layer_seed
+from butter_aura.stored import StoredLayer
+
+FULL_PRECISION_ARRAYS = ("fp_keys", "fp_values", "recent_slots")
+"""State arrays beside the slot buffers: the full-precision rows and which slots they hold."""
+
+
+class AuraCache(BufferedSlotCache):
+    """Keys and values rotated per KV head, then coded with Lloyd–Max codebooks.
+
+    Storage per slot and KV head: ``key_codes``/``value_codes`` (uint32, the codec's
+    words) and ``key_scales``/``value_scales`` (float16). Beside the slots, the sink
+    slots and the most recently written slots keep 16-bit copies of their original
+    vectors (``FullPrecisionBudget``), which attention reads instead of their codes.
+
+    Attention:
+
+    * one query token (decode): ``decode_attention`` straight on the codes (the fused
+      kernel on a GPU: no key or value is materialised);
+    * a chunk of query tokens (prefill) that was just stored: two-phase — the chunk
+      attends to the dequantized earlier slots plus its own keys and values in full
+      precision; its codes serve later tokens;
+    * anything else (the window decorator's wrap-around path): dequantized slots.
+
+    Re-encoding a slot writes whole new code words, so nothing of a slot's previous
+    contents survives (window eviction overwrites slots).
+    """
+
+    def __init__(self, spec: LayerSpec, kind: Aura, *, seed: int = DEFAULT_SEED, ops=None):
+        self.kind = kind
+        self.key_codec, self.value_codec = codecs(kind, spec.head_dim)
+        layout = {
+            "key_codes": (self.key_codec.words, mx.uint32),
+            "key_scales": (self.key_codec.groups, SCALE_DTYPE),
+            "value_codes": (self.value_codec.words, mx.uint32),
+            "value_scales": (self.value_codec.groups, SCALE_DTYPE),
+        }
+        super().__init__(spec, layout)
+        self.budget = FullPrecisionBudget.for_capacity(self.capacity)
+        self.fp_dtype = full_precision_dtype(spec.dtype)
+        self.rotation = Rotation(layer_seed(seed, spec.layer_index), spec.n_kv_heads, spec.head_dim)
+        self.ops = ops or reference
+        self._fp = self._empty_full_precision()
+        self._recent_host = [-1] * self.budget.ring
+        """Host mirror of ``recent_slots``: the kernels get its range without a device sync."""
+        self._recent_range: tuple[int, int] | None = (1, 0)
+        self._pending: tuple[int, mx.array, mx.array] | None = None
+
+    # -- storage ---------------------------------------------------------------
+
+    def _empty_full_precision(self) -> dict[str, mx.array]:
+        s, rows = self.spec, self.budget.rows
+        shape = (s.batch_size, s.n_kv_heads, rows, s.head_dim)
+        arrays = {
+            "fp_keys": mx.zeros(shape, self.fp_dtype),
+            "fp_values": mx.zeros(shape, self.fp_dtype),
+            "recent_slots": mx.full((self.budget.ring,), -1, mx.int32),
+        }
+        # Materialised at once (a few KB): slice assignment into a lazy broadcast of
+        # zeros would keep hidden copies alive.
+        mx.eval(arrays)
+        return arrays
+
+    def store(self, start, keys, values):
+        key_codes, key_scales, value_codes, value_scales = self.ops.encode(
+            keys, values, self.rotation, self.key_codec, self.value_codec
+        )
+        rows = {"key_codes": key_codes, "key_scales": key_scales, "value_codes": value_codes, "value_scales": value_scales}
+        self.slots.write(start, rows, live=self.length)
+        self._keep_full_precision(start, keys, values)
+        self._pending = (start, keys, values)
+
+    def _keep_full_precision(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Copy the written rows that are sinks, and the last ``recent`` others, into the full-precision rows."""
+        sinks, recent = self.budget.sinks, self.budget.recent
+        end = start + keys.shape[2]
+        fp = self._fp
+        if start < sinks:
+            stop = min(sinks, end)
+            fp["fp_keys"][:, :, start:stop] = keys[:, :, : stop - start].astype(self.fp_dtype)
+            fp["fp_values"][:, :, start:stop] = values[:, :, : stop - start].astype(self.fp_dtype)
+        first = max(start, sinks, end - recent)
+        while recent and first < end:
+            # A run of slots whose ring rows are consecutive (at most two runs: the ring wraps once).
+            residue = (first - sinks) % recent
+            stop = min(end, first + recent - residue)
+            n = stop - first
+            rows = slice(sinks + residue, sinks + residue + n)
+            fp["fp_keys"][:, :, rows] = keys[:, :, first - start : stop - start].astype(self.fp_dtype)
+            fp["fp_values"][:, :, rows] = values[:, :, first - start : stop - start].astype(self.fp_dtype)
+            fp["recent_slots"][residue : residue + n] = mx.arange(first, stop, dtype=mx.int32)
+            self._recent_host[residue : residue + n] = range(first, stop)
+            self._recent_range = None
+            first = stop
+
+    def _recent_slot_range(self) -> tuple[int, int]:
+        """Smallest and largest slot the recent ring holds ((1, 0) when empty)."""
+        if self._recent_range is None:
+            held = [slot for slot in self._recent_host if slot >= 0]
+            self._recent_range = (min(held), max(held)) if held else (1, 0)
+        return self._recent_range
+
+    def stored(self, length: int | None = None) -> StoredLayer:
+        """What attention reads: the coded slots ``[0, length)`` (default: all live) and the full-precision rows."""
+        length = self.length if length is None else length
+        slots = self.slots.arrays or self.slots.read(0)
+        return StoredLayer(
+            key_codes=slots["key_codes"],
+            key_scales=slots["key_scales"],
+            value_codes=slots["value_codes"],
+            value_scales=slots["value_scales"],
+            fp_keys=self._fp["fp_keys"],
+            fp_values=self._fp["fp_values"],
+            recent_slots=self._fp["recent_slots"],
+            length=length,
+            sinks=self.budget.sinks,
+            key_codec=self.key_codec,
+            value_codec=self.value_codec,
+            rotation=self.rotation,
+            recent_range=self._recent_slot_range(),
+        )
+
+    def load(self, length):
+        if length == 0:
+            empty = mx.zeros((self.spec.batch_size, self.spec.n_kv_heads, 0, self.spec.head_dim), self.spec.dtype)
+            return empty, empty
+        return self.ops.dequantize(self.stored(length), self.spec.dtype)
+
+    # -- attention -------------------------------------------------------------
+
+    def attention(self, queries, *, scale, mask):
+        tokens = queries.shape[2]
+        pending, self._pending = self._pending, None
+        if tokens == 1 and mask is None:
+            return self.ops.decode_attention(queries, self.stored(), scale)
+        if isinstance(mask, str) and pending is not None:
+            start, keys, values = pending
+            if keys.shape[2] == tokens and start + tokens == self.length:
+                past_keys, past_values = self.load(start)
+                keys = mx.concatenate([past_keys, keys.astype(self.spec.dtype)], axis=2)
+                values = mx.concatenate([past_values, values.astype(self.spec.dtype)], axis=2)
+                return attend(queries, keys, values, scale=scale, mask=mask)
+        keys, values = self.load(self.length)
+        return attend(queries, keys, values, scale=scale, mask=mask)
+
+    # -- state and accounting --------------------------------------------------
+
+    def export_slots(self, length):
+        recent = self._fp["recent_slots"]
+        return {
+            **super().export_slots(length),
+            # Copies: the cache keeps updating its own arrays in place.
+            "fp_keys": mx.array(self._fp["fp_keys"]),
+            "fp_values": mx.array(self._fp["fp_values"]),
+            "recent_slots": mx.where(recent < length, recent, -1),
+        }
+
+    def import_slots(self, arrays, length):
+        fp = {name: arrays[name] for name in FULL_PRECISION_ARRAYS if name in arrays}
+        if len(fp) != len(FULL_PRECISION_ARRAYS):
+            raise ConfigError(
+                f"AuraCache state needs {FULL_PRECISION_ARRAYS} beside its slot arrays; got {sorted(arrays)}: "
+                "it was exported by another kind of cache"
+            )
+        expected = self._empty_full_precision()
+        for name, array in fp.items():
+            if array.shape != expected[name].shape:
+                raise ConfigError(
+                    f"AuraCache state array {name} has shape {array.shape}, this cache holds {expected[name].shape}: "
+                    "it was exported by a cache of another shape or capacity"
+                )
+        super().import_slots({k: v for k, v in arrays.items() if k not in FULL_PRECISION_ARRAYS}, length)
+        self._fp = {name: mx.array(array).astype(expected[name].dtype) for name, array in fp.items()}
+        self._recent_host = self._fp["recent_slots"].tolist()
+        self._recent_range = None
+        self._pending = None
+
+    def meta_state(self):
+        return {**super().meta_state(), "rotation_seed": self.rotation.seed, "kind": str(self.kind)}
+
+    def restore(self, state, meta):
+        if "rotation_seed" not in meta or meta.get("kind") != str(self.kind):
+            raise ConfigError(
+                f"state meta {dict(meta)} was not exported by an {self.kind} cache (it needs 'kind' and 'rotation_seed')"
+            )
+        seed = int(meta["rotation_seed"])
+        if seed != self.rotation.seed:
+            self.rotation = Rotation(seed, self.spec.n_kv_heads, self.spec.head_dim)
+        super().restore(state, meta)
+
+    def truncate(self, length):
+        super().truncate(length)
+        self._pending = None
+
+    def buffers(self):
+        return super().buffers() + list(self._fp.values()) + self.rotation.arrays()
+
+    @property
+    def nbytes_live(self) -> int:
+        return super().nbytes_live + sum(array.nbytes for array in self._fp.values())

@@ -1,0 +1,44 @@
+"""AURA's GPU kernels, written once in butter's dialect for Metal and CUDA.
+
+* ``encode`` (``encode.py``): rotate and code appended keys and values (one launch).
+* ``decode_attention`` (``attention.py``): one query token over the codes, flash-decoding
+  split-K, no key or value materialised (two launches).
+* ``dequantize`` (``dequantize.py``): stored keys and values in the model's domain, for
+  two-phase prefill and the window decorator's wrap-around path (one launch).
+
+Each has the same signature as its pure-mx reference in ``butter_aura.reference``;
+``ops_for`` picks, once per cache, which set a cache uses. ``KERNEL_CHECKS`` pairs them
+for the conformance suite and ``bench/gpu_aura.py``.
+"""
+
+from __future__ import annotations
+
+import types
+
+from butter_core.cache import LayerSpec
+from butter_core.kernels import default_device_is_gpu
+
+from butter_aura import reference
+from butter_aura.kernels import attention, dequantize, encode
+from butter_aura.kernels.checks import KERNEL_CHECKS
+
+GPU_OPS = types.SimpleNamespace(
+    encode=encode.encode, decode_attention=attention.decode_attention, dequantize=dequantize.dequantize
+)
+"""The kernel implementations, shaped like the ``reference`` module."""
+
+
+def available() -> bool:
+    """Whether AURA's kernels can run here (a Metal or CUDA build of MLX)."""
+    return encode.available()
+
+
+def ops_for(spec: LayerSpec):
+    """The kernels where MLX's default device is a GPU that runs them and ``head_dim`` is one they
+    serve (64, 128); the pure-mx reference otherwise. Decided once, when a cache is made."""
+    if default_device_is_gpu() and available() and spec.head_dim in attention.SUPPORTED_HEAD_DIMS:
+        return GPU_OPS
+    return reference
+
+
+__all__ = ["GPU_OPS", "KERNEL_CHECKS", "available", "ops_for"]

@@ -1,0 +1,318 @@
+"""``decode_attention``: one query token over the coded slots, without materialising K or V.
+
+Two launches, flash-decoding style (core's ``butter_core.kernels.split_k``: its launch
+plan, block assignment and lane/warp merges; AURA writes how a key and a value are read
+from codes, and its own merge):
+
+1. **partials** — one threadgroup per (batch, KV head, group of ``HEADS`` query heads)
+   and per split of the live slots. The block rotates its queries once (signs, then
+   Walsh–Hadamard butterflies in shared memory) and pre-scales them by
+   ``scale * log2(e)``. A key's ``D`` coordinates are spread over ``LANES`` lanes of
+   ``VEC`` coordinates each; a lane reads its slice of the key's code words, looks each
+   code up in the codebook (kept in shared memory) and accumulates ``q · level`` per
+   query head, times the key's scale; the lanes of a key sum by shuffles. Values are
+   accumulated the same way, in the rotated domain: ``acc += p * scale_v * level``.
+   Slots kept in full precision (sinks, recent) are skipped here. Each split writes its
+   running max, sum and accumulator (online softmax, scores in log2 units) through
+   ``splitk_merge_lanes``/``splitk_write_partials``.
+2. **merge** — one threadgroup of ``D`` threads per (batch, query head): scores the
+   full-precision rows (original domain, original query), merges them with every
+   split's partials, rotates the coded accumulator back once (butterflies in shared
+   memory, then signs) and writes the output in the queries' dtype. Core's generic
+   ``merge_partials`` cannot serve here: it has no full-precision rows and no rotation.
+
+Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
+(128 floats for HEADS 4, VEC 16).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from butter_core.kernels import Kernel, split_k
+
+from butter_aura.kernels.source import HELPERS
+from butter_aura.stored import StoredLayer
+
+LANES = 8
+"""Lanes that share one key (each holds D / LANES coordinates)."""
+WARPS = 4
+"""Warps per threadgroup of the partials pass."""
+TILE = 4
+"""Keys each lane's stream takes per step (one softmax rescale per step)."""
+MAX_HEADS_PER_BLOCK = 4
+"""Query heads one partials threadgroup serves; its registers grow with this."""
+MIN_KEYS_PER_SPLIT = 128
+TARGET_BLOCKS = 528
+"""The split count aims at this many partials threadgroups (4 per H200 SM)."""
+
+_PARTIALS = Kernel(
+    name="butter_aura_decode_partials",
+    input_names=(
+        "queries", "signs", "key_codes", "key_scales", "value_codes", "value_scales",
+        "key_levels", "value_levels", "recent_slots", "params", "scale",
+    ),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=split_k.SPLIT_K_HELPERS + HELPERS,
+    body="""
+  // Template: T (query dtype), S (scale dtype), D, KB/VB (bits), KG/VG (scale groups),
+  // HEADS, LANES, WARPS, TILE. params: [live, sinks, ring, recent_lo, recent_hi].
+  constexpr int VEC = D / LANES;
+  constexpr int KEYS_PER_WARP = BT_WARP_SIZE / LANES;
+  constexpr int KEYS_PER_STEP = WARPS * KEYS_PER_WARP * TILE;
+  constexpr int THREADS = WARPS * BT_WARP_SIZE;
+  constexpr int KW = (D * KB + 31) / 32;
+  constexpr int VW = (D * VB + 31) / 32;
+  constexpr int PER = (HEADS * D + THREADS - 1) / THREADS;
+
+  const int live = params[0];
+  const int sinks = params[1];
+  const int ring = params[2];
+  const int recent_lo = params[3];
+  const int recent_hi = params[4];
+  const SplitKBlock block = splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], live);
+  const int allocated = key_codes_shape[2];
+  const int sub = lane_id % LANES;
+  const int slot = lane_id / LANES;
+
+  // The codebooks, and this block's queries rotated once (signs, butterflies) and
+  // pre-scaled so that scores come out in log2 units.
+  BT_SHARED float k_levels[1 << KB];
+  BT_SHARED float v_levels[1 << VB];
+  BT_SHARED float q_rot[HEADS * D];
+  for (int i = thread_rank; i < (1 << KB); i += THREADS) {
+    k_levels[i] = key_levels[i];
+  }
+  for (int i = thread_rank; i < (1 << VB); i += THREADS) {
+    v_levels[i] = value_levels[i];
+  }
+  for (int e = thread_rank; e < HEADS * D; e += THREADS) {
+    q_rot[e] = bt_to_float(queries[static_cast<int64_t>(block.first_q_head) * D + e]) * signs[block.kv_head * D + e % D];
+  }
+  BT_BARRIER;
+  aura_fwht_shared<PER>(q_rot, HEADS * D, D, THREADS, static_cast<int>(thread_rank));
+  const float q_scale = scale[0] * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
+  float q[HEADS * VEC];
+  float m[HEADS];
+  float l[HEADS];
+  float acc[HEADS * VEC];
+  for (int h = 0; h < HEADS; ++h) {
+    m[h] = BT_NEG_INF;
+    l[h] = 0.0f;
+    for (int i = 0; i < VEC; ++i) {
+      q[h * VEC + i] = q_rot[h * D + sub * VEC + i] * q_scale;
+      acc[h * VEC + i] = 0.0f;
+    }
+  }
+
+  const int64_t rows = static_cast<int64_t>(block.batch_kv_head) * allocated;
+  // The loop bound is uniform across the warp, so every lane reaches the shuffles.
+  for (int base = block.start + static_cast<int>(warp_id) * KEYS_PER_WARP * TILE; base < block.end;
+       base += KEYS_PER_STEP) {
+    float s[TILE * HEADS];
+    float v_scale[TILE];
+    bool valid[TILE];
+    int64_t row[TILE];
+    for (int t = 0; t < TILE; ++t) {
+      const int key = base + t * KEYS_PER_WARP + slot;
+      bool coded = key < block.end && key >= sinks;
+      if (coded && key >= recent_lo && key <= recent_hi) {
+        coded = recent_slots[(key - sinks) % ring] != key;  // else held in full precision
+      }
+      valid[t] = coded;
+      row[t] = rows + (key < block.end ? key : base);
+      const BT_GLOBAL unsigned int* words = key_codes + row[t] * KW;
+      float partial[HEADS];
+      for (int h = 0; h < HEADS; ++h) {
+        partial[h] = 0.0f;
+      }
+      for (int i = 0; i < VEC; ++i) {
+        const float level = k_levels[aura_code(words, sub * VEC + i, KB)];
+        for (int h = 0; h < HEADS; ++h) {
+          partial[h] += q[h * VEC + i] * level;
+        }
+      }
+      const float k_scale = bt_to_float(key_scales[row[t] * (D / KG) + (sub * VEC) / KG]);
+      v_scale[t] = bt_to_float(value_scales[row[t] * (D / VG) + (sub * VEC) / VG]);
+      for (int h = 0; h < HEADS; ++h) {
+        s[t * HEADS + h] = bt_group_sum<LANES>(partial[h] * k_scale);
+      }
+    }
+    float p[TILE * HEADS];
+    for (int h = 0; h < HEADS; ++h) {
+      float m_new = m[h];
+      for (int t = 0; t < TILE; ++t) {
+        m_new = valid[t] && s[t * HEADS + h] > m_new ? s[t * HEADS + h] : m_new;
+      }
+      for (int t = 0; t < TILE; ++t) {
+        p[t * HEADS + h] = valid[t] ? bt_exp2(s[t * HEADS + h] - m_new) : 0.0f;
+      }
+      if (m_new != BT_NEG_INF) {  // this stream has seen a key
+        const float correction = bt_exp2(m[h] - m_new);
+        l[h] *= correction;
+        for (int i = 0; i < VEC; ++i) {
+          acc[h * VEC + i] *= correction;
+        }
+        for (int t = 0; t < TILE; ++t) {
+          l[h] += p[t * HEADS + h];
+        }
+        m[h] = m_new;
+      }
+    }
+    // Values in the rotated domain: acc += p * value_scale * level.
+    for (int t = 0; t < TILE; ++t) {
+      const BT_GLOBAL unsigned int* words = value_codes + row[t] * VW;
+      float w[HEADS];
+      for (int h = 0; h < HEADS; ++h) {
+        w[h] = p[t * HEADS + h] * v_scale[t];
+      }
+      for (int i = 0; i < VEC; ++i) {
+        const float level = v_levels[aura_code(words, sub * VEC + i, VB)];
+        for (int h = 0; h < HEADS; ++h) {
+          acc[h * VEC + i] += w[h] * level;
+        }
+      }
+    }
+  }
+
+  BT_SHARED float warp_m[WARPS * HEADS];
+  BT_SHARED float warp_l[WARPS * HEADS];
+  BT_SHARED float warp_acc[WARPS * HEADS * D];
+  splitk_merge_lanes<HEADS, VEC, LANES>(m, l, acc);
+  splitk_write_partials<HEADS, VEC, D, WARPS>(
+      m, l, acc, sub, slot, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
+      partial_acc, partial_max, partial_sum);
+""",
+)
+
+_MERGE = Kernel(
+    name="butter_aura_decode_merge",
+    input_names=(
+        "partial_acc", "partial_max", "partial_sum", "queries", "signs",
+        "fp_keys", "fp_values", "recent_slots", "params", "scale",
+    ),
+    output_names=("out",),
+    helpers=HELPERS,
+    body="""
+  // Template: T (query dtype), F (full-precision row dtype), D, ROWS (full-precision
+  // rows). One threadgroup of D threads per (batch, query head). params: [live, sinks].
+  constexpr int WARPS_HERE = D / BT_WARP_SIZE;
+  const int n_splits = partial_max_shape[2];
+  const int q_heads = queries_shape[1];
+  const int kv_heads = fp_keys_shape[1];
+  const int live = params[0];
+  const int sinks = params[1];
+  const int64_t head = block_idx.x;
+  const int batch = static_cast<int>(head / q_heads);
+  const int kv_head = static_cast<int>(head % q_heads) / (q_heads / kv_heads);
+  const int64_t fp_base = (static_cast<int64_t>(batch) * kv_heads + kv_head) * ROWS * D;
+  const int d = thread_idx.x;
+  const float q_scale = scale[0] * 1.4426950408889634f;
+
+  BT_SHARED float fp_score[ROWS];
+  BT_SHARED float buf[D];
+  for (int r = warp_id; r < ROWS; r += WARPS_HERE) {
+    float part = 0.0f;
+    for (int i = lane_id; i < D; i += BT_WARP_SIZE) {
+      part += bt_to_float(queries[head * D + i]) * bt_to_float(fp_keys[fp_base + r * D + i]);
+    }
+    part = bt_warp_sum(part);
+    if (lane_id == 0) {
+      const int held = r < sinks ? r : recent_slots[r - sinks];
+      const bool used = r < sinks ? r < live : (held >= 0 && held < live);
+      fp_score[r] = used ? part * q_scale : BT_NEG_INF;
+    }
+  }
+  BT_BARRIER;
+
+  float m_all = BT_NEG_INF;
+  for (int s = 0; s < n_splits; ++s) {
+    const float ms = partial_max[head * n_splits + s];
+    m_all = ms > m_all ? ms : m_all;
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    m_all = fp_score[r] > m_all ? fp_score[r] : m_all;
+  }
+  float l_all = 0.0f;
+  float a = 0.0f;
+  for (int s = 0; s < n_splits; ++s) {
+    const int64_t part = head * n_splits + s;
+    const float ms = partial_max[part];
+    const float weight = ms == BT_NEG_INF ? 0.0f : bt_exp2(ms - m_all);
+    l_all += weight * partial_sum[part];
+    a += weight * partial_acc[part * D + d];
+  }
+  // Rotate the coded part back: butterflies, 1/sqrt(D), signs.
+  buf[d] = a;
+  BT_BARRIER;
+  aura_fwht_shared<1>(buf, D, D, D, d);
+  float x = buf[d] / bt_sqrt(static_cast<float>(D)) * signs[kv_head * D + d];
+  for (int r = 0; r < ROWS; ++r) {
+    const float sr = fp_score[r];
+    if (sr != BT_NEG_INF) {
+      const float weight = bt_exp2(sr - m_all);
+      l_all += weight;
+      x += weight * bt_to_float(fp_values[fp_base + r * D + d]);
+    }
+  }
+  out[head * D + d] = bt_from_float<T>(x / l_all);
+""",
+)
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def recent_range(stored: StoredLayer) -> tuple[int, int]:
+    """Smallest and largest slot held in the recent ring (an empty range when none is)."""
+    if stored.recent_range is not None:
+        return stored.recent_range
+    held = [s for s in stored.recent_slots.tolist() if s >= 0]
+    return (min(held), max(held)) if held else (1, 0)
+
+
+def decode_attention(
+    queries: mx.array, stored: StoredLayer, scale: float, *, lanes: int = LANES, warps: int = WARPS, tile: int = TILE
+) -> mx.array:
+    """``reference.decode_attention`` on the GPU (``lanes``/``warps``/``tile`` are tunables for benchmarks)."""
+    batch, q_heads, tokens, dims = queries.shape
+    kv_heads, length = stored.key_codes.shape[1], stored.length
+    if tokens != 1 or q_heads % kv_heads or length == 0:
+        raise ValueError(f"decode attention takes one query token over >= 1 slot; got {queries.shape}, length {length}")
+    if dims not in SUPPORTED_HEAD_DIMS or stored.rotation.permutation is not None:
+        raise ValueError(f"the attention kernels serve head_dim {SUPPORTED_HEAD_DIMS}; got {dims}")
+    kc, vc = stored.key_codec, stored.value_codec
+    if min(kc.group, vc.group) < dims // lanes:
+        raise ValueError(f"scale groups ({kc.group}, {vc.group}) must hold at least {dims // lanes} coordinates")
+    launch = split_k.plan(batch=batch, q_heads=q_heads, kv_heads=kv_heads, dims=dims, length=length, warps=warps,
+                          max_heads=MAX_HEADS_PER_BLOCK, min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS)
+    lo, hi = recent_range(stored)
+    params = mx.array([length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
+    scale_array = mx.array([scale], dtype=mx.float32)
+    partial_acc, partial_max, partial_sum = _PARTIALS(
+        inputs=[
+            queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
+            stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, params,
+            scale_array,
+        ],
+        template=[
+            ("T", queries.dtype), ("S", stored.key_scales.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits),
+            ("KG", kc.group), ("VG", vc.group), ("HEADS", launch.heads), ("LANES", lanes), ("WARPS", warps),
+            ("TILE", tile),
+        ],
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=launch.output_shapes,
+        output_dtypes=launch.output_dtypes,
+    )
+    (out,) = _MERGE(
+        inputs=[
+            partial_acc, partial_max, partial_sum, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values,
+            stored.recent_slots, params, scale_array,
+        ],
+        template=[("T", queries.dtype), ("F", stored.fp_keys.dtype), ("D", dims), ("ROWS", stored.fp_keys.shape[2])],
+        grid=(dims * batch * q_heads, 1, 1),
+        threadgroup=(dims, 1, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+    )
+    return out

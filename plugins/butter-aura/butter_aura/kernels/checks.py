@@ -1,0 +1,199 @@
+"""``KERNEL_CHECKS``: each AURA kernel with its reference and the inputs both are checked on.
+
+Inputs are random and adversarial where it is cheap to be: slots past ``length`` hold
+random code words; full-precision rows hold the original vectors (so reading a slot's
+codes where its row should be read, or the reverse, shows as a coding-sized error);
+the recent ring holds stale entries (slots past ``length``) and empty ones.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from butter_core.kernels import KernelCheck
+
+from butter_aura import reference
+from butter_aura.codec import SCALE_DTYPE, Codec
+from butter_aura.kernels import attention, dequantize, encode
+from butter_aura.layout import full_precision_dtype
+from butter_aura.rotation import Rotation
+from butter_aura.stored import StoredLayer
+
+
+def _keys(seed: int, n: int) -> list[mx.array]:
+    return list(mx.random.split(mx.random.key(seed), n))
+
+
+def make_stored(
+    seed: int,
+    *,
+    batch: int = 1,
+    q_heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 128,
+    allocated: int = 256,
+    length: int = 200,
+    dtype: mx.Dtype = mx.bfloat16,
+    key_bits: int = 4,
+    value_bits: int = 2,
+    group: int | None = None,
+    sinks: int = 4,
+    recent: int = 32,
+    encoded: bool = True,
+) -> dict:
+    """Queries and a ``StoredLayer`` of ``length`` live slots in buffers of ``allocated``.
+
+    ``encoded``: slots hold the codes of random vectors (else random code words and
+    scales, cheaper at long contexts). The recent ring holds the last ``recent`` slots
+    below ``length``, except one entry made stale (a slot past ``length``) and one empty.
+    """
+    k_q, k_k, k_v, k_w1, k_w2, k_s = _keys(seed, 6)
+    group = group or head_dim
+    rotation = Rotation(seed, kv_heads, head_dim)
+    key_codec, value_codec = Codec(key_bits, group, head_dim), Codec(value_bits, group, head_dim)
+    shape = (batch, kv_heads, allocated, head_dim)
+    keys = mx.random.normal(shape, key=k_k).astype(dtype)
+    values = mx.random.normal(shape, key=k_v).astype(dtype)
+    if encoded:
+        key_codes, key_scales, value_codes, value_scales = reference.encode(keys, values, rotation, key_codec, value_codec)
+        live = mx.arange(allocated)[:, None] < length
+        garbage = mx.random.randint(0, 2**31, (batch, kv_heads, allocated, key_codec.words), key=k_w1).astype(mx.uint32)
+        key_codes = mx.where(live, key_codes, garbage)
+        garbage = mx.random.randint(0, 2**31, (batch, kv_heads, allocated, value_codec.words), key=k_w2).astype(mx.uint32)
+        value_codes = mx.where(live, value_codes, garbage)
+    else:
+        key_codes = mx.random.randint(0, 2**31, (*shape[:3], key_codec.words), key=k_w1).astype(mx.uint32)
+        value_codes = mx.random.randint(0, 2**31, (*shape[:3], value_codec.words), key=k_w2).astype(mx.uint32)
+        scale_shape = (*shape[:3], key_codec.groups)
+        key_scales = (mx.random.uniform(0.5, 1.5, scale_shape, key=k_s) * head_dim**-0.5 * 3).astype(SCALE_DTYPE)
+        value_scales = (mx.random.uniform(0.5, 1.5, (*shape[:3], value_codec.groups), key=k_s) * 0.1).astype(SCALE_DTYPE)
+    ring = max(recent, 1)
+    recent_slots = [-1] * ring
+    for slot in range(max(sinks, length - recent), length):
+        recent_slots[(slot - sinks) % ring] = slot
+    if recent >= 2:
+        recent_slots[0] = length + 3 if recent_slots[0] >= 0 else recent_slots[0]  # stale: past length
+        recent_slots[1] = -1
+    fp_dtype = full_precision_dtype(dtype)
+    rows = [min(s, allocated - 1) for s in range(sinks)] + [s if s >= 0 else 0 for s in recent_slots]
+    rows = [min(r, allocated - 1) for r in rows]
+    stored = StoredLayer(
+        key_codes=key_codes,
+        key_scales=key_scales,
+        value_codes=value_codes,
+        value_scales=value_scales,
+        fp_keys=keys[:, :, rows].astype(fp_dtype),
+        fp_values=values[:, :, rows].astype(fp_dtype),
+        recent_slots=mx.array(recent_slots, dtype=mx.int32),
+        length=length,
+        sinks=sinks,
+        key_codec=key_codec,
+        value_codec=value_codec,
+        rotation=rotation,
+    )
+    queries = mx.random.normal((batch, q_heads, 1, head_dim), key=k_q).astype(dtype)
+    return {"queries": queries, "stored": stored, "scale": head_dim**-0.5}
+
+
+def make_encode_inputs(
+    seed: int, *, batch=1, kv_heads=2, tokens=33, head_dim=128, dtype=mx.bfloat16, key_bits=4, value_bits=2, group=None
+) -> dict:
+    k_k, k_v = _keys(seed, 2)
+    shape = (batch, kv_heads, tokens, head_dim)
+    group = group or head_dim
+    return {
+        "keys": (mx.random.normal(shape, key=k_k) * 3).astype(dtype),
+        "values": mx.random.normal(shape, key=k_v).astype(dtype),
+        "rotation": Rotation(seed, kv_heads, head_dim),
+        "key_codec": Codec(key_bits, group, head_dim),
+        "value_codec": Codec(value_bits, group, head_dim),
+    }
+
+
+def _decoded(coded, key_codec: Codec, value_codec: Codec) -> mx.array:
+    key_codes, key_scales, value_codes, value_scales = coded
+    return mx.concatenate([key_codec.decode(key_codes, key_scales), value_codec.decode(value_codes, value_scales)], axis=-1)
+
+
+def encode_kernel_decoded(keys, values, rotation, key_codec, value_codec) -> mx.array:
+    """The kernel's codes, decoded by the reference decoder (rotated keys, then values)."""
+    return _decoded(encode.encode(keys, values, rotation, key_codec, value_codec), key_codec, value_codec)
+
+
+def encode_reference_decoded(keys, values, rotation, key_codec, value_codec) -> mx.array:
+    return _decoded(reference.encode(keys, values, rotation, key_codec, value_codec), key_codec, value_codec)
+
+
+def make_dequantize_inputs(seed: int, **sizes) -> dict:
+    inputs = make_stored(seed, **sizes)
+    return {"stored": inputs["stored"], "dtype": sizes.get("dtype", mx.bfloat16)}
+
+
+def dequantize_kernel_joined(stored, dtype) -> mx.array:
+    return mx.concatenate(dequantize.dequantize(stored, dtype), axis=-1)
+
+
+def dequantize_reference_joined(stored, dtype) -> mx.array:
+    return mx.concatenate(reference.dequantize(stored, dtype), axis=-1)
+
+
+ENCODE_RTOL = {mx.float32: 2e-3}
+"""Codes are chosen by comparisons, so the kernel and the reference agree exactly except
+where a value lies within a rounding of a decision boundary or a least-squares scale
+rounds to the other float16 neighbour (summation order): rare, and small."""
+
+ATTENTION_RTOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
+
+KERNEL_CHECKS: tuple[KernelCheck, ...] = (
+    KernelCheck(
+        name="encode",
+        kernel=encode_kernel_decoded,
+        reference=encode_reference_decoded,
+        make_inputs=make_encode_inputs,
+        cases=(
+            {},
+            {"tokens": 1, "dtype": mx.float16},
+            {"head_dim": 64, "dtype": mx.float32, "key_bits": 8, "value_bits": 4},
+            {"key_bits": 3, "value_bits": 3, "tokens": 7, "batch": 2},
+            {"key_bits": 8, "value_bits": 8, "group": 32, "kv_heads": 4},
+            {"key_bits": 4, "value_bits": 2, "group": 16, "head_dim": 64, "dtype": mx.float16},
+            {"key_bits": 2, "value_bits": 4, "group": 64, "tokens": 300},
+        ),
+        rtol=ENCODE_RTOL,
+    ),
+    KernelCheck(
+        name="decode_attention",
+        kernel=attention.decode_attention,
+        reference=reference.decode_attention,
+        make_inputs=make_stored,
+        cases=(
+            {"length": 1, "allocated": 16},
+            {"length": 30, "allocated": 64, "dtype": mx.float16},
+            {"length": 200, "allocated": 256},
+            {"length": 257, "allocated": 300, "dtype": mx.float32, "head_dim": 64, "key_bits": 8, "value_bits": 4},
+            {"length": 1000, "allocated": 1024, "q_heads": 8, "kv_heads": 8, "head_dim": 64, "key_bits": 3, "value_bits": 2},
+            {"length": 5000, "allocated": 6000, "q_heads": 32, "kv_heads": 8, "batch": 2, "encoded": False},
+            {"length": 777, "allocated": 800, "q_heads": 24, "kv_heads": 2, "dtype": mx.float16, "key_bits": 8,
+             "value_bits": 8, "group": 32},
+            {"length": 3000, "allocated": 4096, "q_heads": 28, "kv_heads": 4, "dtype": mx.float32, "group": 16,
+             "sinks": 0, "recent": 0},
+            {"length": 600, "allocated": 700, "q_heads": 6, "kv_heads": 3, "head_dim": 64, "sinks": 2, "recent": 5},
+        ),
+        rtol=ATTENTION_RTOL,
+    ),
+    KernelCheck(
+        name="dequantize",
+        kernel=dequantize_kernel_joined,
+        reference=dequantize_reference_joined,
+        make_inputs=make_dequantize_inputs,
+        cases=(
+            {"length": 1, "allocated": 16},
+            {"length": 300, "allocated": 512, "dtype": mx.float16, "key_bits": 8, "value_bits": 4},
+            {"length": 100, "allocated": 256, "dtype": mx.float32, "head_dim": 64, "key_bits": 3, "value_bits": 2,
+             "group": 32, "batch": 2},
+            {"length": 60, "allocated": 64, "kv_heads": 3, "sinks": 0, "recent": 7},
+        ),
+        rtol=ATTENTION_RTOL,
+    ),
+)
+"""Every AURA kernel with its reference, for the conformance suite and bench/gpu_aura.py."""

@@ -1,0 +1,76 @@
+"""Kernel-source helpers the AURA kernels share, written in butter's dialect.
+
+* ``aura_code``: one code out of a row's packed bit stream (``packing.py``).
+* ``aura_fwht_shared``: Walsh–Hadamard butterflies over values in shared memory, the
+  same additions in the same order as ``rotation.fwht``, so kernel and reference rotate
+  bit for bit alike.
+* ``aura_group_sum``: a sum over aligned groups of threads whose size is only known at
+  run time (a scale group may span several warps).
+
+The two shared-memory helpers contain barriers: every thread of the threadgroup must
+call them.
+"""
+
+HELPERS = """
+BT_FUNC unsigned int aura_code(const BT_GLOBAL unsigned int* words, int j, int bits) {
+  // Code j of a little-endian stream of bits-bit codes; it straddles two words only
+  // when bits does not divide 32.
+  const int bit = j * bits;
+  const int word = bit >> 5;
+  const int shift = bit & 31;
+  unsigned int code = words[word] >> shift;
+  if (shift + bits > 32) {
+    code |= words[word + 1] << (32 - shift);
+  }
+  return code & ((1u << bits) - 1u);
+}
+
+// Unnormalized butterflies over buf[0, n): one transform per aligned run of `span`
+// values (n a multiple of span, span a power of two). Thread `rank` of `threads` owns
+// elements rank, rank + threads, ... (at most PER of them).
+template <int PER>
+BT_FUNC void aura_fwht_shared(BT_SHARED_PTR float* buf, int n, int span, int threads, int rank) {
+  for (int h = 1; h < span; h *= 2) {
+    float next[PER];
+    for (int k = 0; k < PER; ++k) {
+      const int e = rank + k * threads;
+      if (e < n) {
+        const float a = buf[e];
+        const float b = buf[e ^ h];
+        next[k] = (e & h) ? b - a : a + b;
+      }
+    }
+    BT_BARRIER;
+    for (int k = 0; k < PER; ++k) {
+      const int e = rank + k * threads;
+      if (e < n) {
+        buf[e] = next[k];
+      }
+    }
+    BT_BARRIER;
+  }
+}
+
+// Sum of v over the aligned group of `group` consecutive threads (a power of two);
+// scratch holds one float per warp of the threadgroup.
+BT_FUNC float aura_group_sum(float v, int group, BT_SHARED_PTR float* scratch, int lane, int warp) {
+  const int width = group < BT_WARP_SIZE ? group : BT_WARP_SIZE;
+  for (int offset = 1; offset < width; offset *= 2) {
+    v += bt_shuffle_xor(v, offset);
+  }
+  if (group > BT_WARP_SIZE) {
+    if (lane == 0) {
+      scratch[warp] = v;
+    }
+    BT_BARRIER;
+    const int warps = group / BT_WARP_SIZE;
+    const int first = (warp / warps) * warps;
+    v = 0.0f;
+    for (int w = 0; w < warps; ++w) {
+      v += scratch[first + w];
+    }
+    BT_BARRIER;
+  }
+  return v;
+}
+"""

@@ -1,0 +1,65 @@
+"""``StoredLayer``: the arrays of one layer's cache that attention and dequantization read.
+
+Attention never needs anything else, so the pure-mx references (``reference.py``) and
+the GPU kernels (``kernels/``) take exactly this bundle.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+
+from butter_aura.codec import Codec
+from butter_aura.rotation import Rotation
+
+
+@attrs.frozen(eq=False)
+class StoredLayer:
+    """Coded slots ``[0, length)`` plus the full-precision rows, as one layer holds them.
+
+    The code and scale arrays are whole ``[batch, kv_heads, allocated, width]`` buffers
+    (slots past ``length`` are ignored). ``fp_keys``/``fp_values`` are
+    ``[batch, kv_heads, rows, head_dim]`` copies of the original (unrotated) vectors of
+    the full-precision slots: row ``s`` for a sink slot ``s < sinks``; row
+    ``sinks + r`` for the recent slot ``recent_slots[r]`` (int32, -1 when empty), where
+    ``r = (slot - sinks) % len(recent_slots)``.
+    """
+
+    key_codes: mx.array
+    key_scales: mx.array
+    value_codes: mx.array
+    value_scales: mx.array
+    fp_keys: mx.array
+    fp_values: mx.array
+    recent_slots: mx.array
+    length: int
+    sinks: int
+    key_codec: Codec
+    value_codec: Codec
+    rotation: Rotation
+    recent_range: tuple[int, int] | None = None
+    """Smallest and largest slot in ``recent_slots`` if known on the host (the kernels
+    skip their ring look-up outside it); None: read from the array when needed."""
+
+    def __attrs_post_init__(self):
+        if not 0 <= self.length <= self.key_codes.shape[2]:
+            raise ValueError(f"length {self.length} outside 0..{self.key_codes.shape[2]} allocated slots")
+        if self.fp_keys.shape[2] != self.sinks + self.recent_slots.shape[0]:
+            raise ValueError(
+                f"{self.fp_keys.shape[2]} full-precision rows do not hold {self.sinks} sinks "
+                f"+ {self.recent_slots.shape[0]} recent slots"
+            )
+
+    @property
+    def ring(self) -> int:
+        """Rows of the recent ring."""
+        return self.recent_slots.shape[0]
+
+    def full_precision_map(self, length: int | None = None) -> tuple[mx.array, mx.array]:
+        """For slots ``[0, length)``: whether each is read in full precision, and its row (bool, int32)."""
+        length = self.length if length is None else length
+        slots = mx.arange(length, dtype=mx.int32)
+        sink = slots < self.sinks
+        residue = mx.where(sink, 0, slots - self.sinks) % self.ring
+        member = sink | (mx.take(self.recent_slots, residue) == slots)
+        return member, mx.where(sink, slots, self.sinks + residue)

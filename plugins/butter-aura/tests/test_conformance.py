@@ -1,0 +1,52 @@
+"""butter-aura against the conformance suite shipped in butter-core."""
+
+import mlx.core as mx
+import pytest
+
+from butter_core import Aura, LayerSpec, parse_kv_cache
+from butter_core.testing import SchemeConformance
+
+TOLERANCE = {"aura4v2": 0.46, "aura4v4": 0.22, "aura8v4": 0.13, "aura8v8": 0.016, "aura3v2": 0.5}
+"""Relative attention error allowed against fp32 attention over the original K/V, per
+scheme, for every model dtype. Measured (the worst of the suite's patterns plus 40
+random chunk/window patterns per scheme and dtype, 1.3x headroom): aura4v2 0.351,
+aura4v4 0.167, aura8v4 0.099, aura8v8 0.012, aura3v2 0.379. They are large because the
+suite's keys and values are i.i.d. Gaussian and its queries spread attention almost
+uniformly, so every coded value's error shows (2-bit values alone are off by ~34% of
+their norm); on a real model the same schemes lose far less (docs/aura.md). The 36
+full-precision slots (4 sinks, 32 recent) are exact. A slot or rotation mix-up gives
+errors near 1.4."""
+
+
+class TestAuraConformance(SchemeConformance):
+    scheme = "aura"
+
+    @pytest.fixture(params=list(TOLERANCE))
+    def cache_kind(self, request):
+        return parse_kv_cache(request.param)
+
+    @pytest.fixture
+    def attention_tolerance(self, cache_kind, dtype):
+        return TOLERANCE[str(cache_kind)]
+
+    @pytest.fixture
+    def invalid_kinds(self):
+        return [
+            lambda: Aura(key_bits=5, value_bits=2),
+            lambda: Aura(key_bits=4, value_bits=1),
+            lambda: Aura.named("aura4"),
+            lambda: parse_kv_cache("aura4v7"),
+            lambda: LayerSpec(n_kv_heads=2, head_dim=0, max_positions=16),
+        ]
+
+    def test_allocated_bytes_equal_device_memory(self, cache_kind, dtype):
+        """Core's check, run after emptying MLX's buffer cache.
+
+        MLX hands out a cached buffer up to two pages larger than asked for, and counts
+        the whole buffer as active memory; after other tests have filled the cache,
+        each of an AURA layer's seven arrays can come back that much larger, which
+        exceeds the check's 16 KB slack although the cache allocates exactly what it
+        reports. (Core's suite should clear the cache itself: see docs/aura.md.)
+        """
+        mx.clear_cache()
+        super().test_allocated_bytes_equal_device_memory(cache_kind, dtype)

@@ -1,0 +1,71 @@
+"""butter-aura's kernels against their references (GPU only), and the references themselves (everywhere)."""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import pytest
+
+from butter_core import LayerSpec
+from butter_core.cache import reference_attention
+from butter_core.kernels import gpu_backend, relative_error
+
+from butter_aura import reference
+from butter_aura.kernels import GPU_OPS, KERNEL_CHECKS, attention, checks, encode, ops_for
+
+CASES = [pytest.param(check, case, id=f"{check.name}-{i}") for check in KERNEL_CHECKS for i, case in enumerate(check.cases)]
+
+
+@pytest.mark.skipif(gpu_backend() is None, reason="no GPU backend (Metal or CUDA) in this MLX")
+@pytest.mark.parametrize(("check", "case"), CASES)
+def test_kernel_matches_reference(check, case):
+    result = check.check(seed=11, **case)
+    assert result.passed, result
+
+
+@pytest.mark.parametrize(("check", "case"), CASES)
+def test_check_cases_are_valid_reference_inputs(check, case):
+    out = check.run_reference(check.make_inputs(0, **case))
+    assert not mx.any(mx.isnan(out)).item()
+    if check.name != "encode":
+        assert out.dtype == case.get("dtype", mx.bfloat16)
+
+
+@pytest.mark.parametrize("case", [c for c in KERNEL_CHECKS if c.name == "decode_attention"][0].cases[:5])
+def test_attention_reference_is_attention_over_dequantized_slots(case):
+    """The two references agree: decode attention on the codes == attention over ``dequantize``."""
+    inputs = checks.make_stored(4, **{**case, "dtype": mx.float32})
+    keys, values = reference.dequantize(inputs["stored"], mx.float32)
+    expected = reference_attention(inputs["queries"], keys, values, scale=inputs["scale"])
+    assert relative_error(reference.decode_attention(**inputs), expected) < 1e-5
+
+
+def test_full_precision_rows_are_read_instead_of_codes():
+    """With every live slot in the budget, decode attention is exact attention over the rows."""
+    inputs = checks.make_stored(5, length=20, allocated=32, dtype=mx.float32, key_bits=2, value_bits=2, recent=32)
+    # Slots 4..19 in ring rows 0..15 (make_stored leaves a stale and an empty entry).
+    stored = attrs.evolve(inputs["stored"], recent_slots=mx.array(list(range(4, 20)) + [-1] * 16, dtype=mx.int32))
+    inputs["stored"] = stored
+    member, row = stored.full_precision_map()
+    assert member.tolist() == [True] * 20
+    expected = reference_attention(
+        inputs["queries"], mx.take(stored.fp_keys, row, axis=2), mx.take(stored.fp_values, row, axis=2), scale=inputs["scale"]
+    )
+    assert relative_error(reference.decode_attention(**inputs), expected) < 1e-5
+
+
+def test_cpu_caches_use_the_references():
+    if gpu_backend() is None or mx.default_device().type != mx.gpu:
+        assert ops_for(LayerSpec(n_kv_heads=2, head_dim=128, max_positions=16)) is reference
+    assert ops_for(LayerSpec(n_kv_heads=2, head_dim=96, max_positions=16)) is reference
+
+
+def test_kernel_wrappers_reject_what_they_do_not_serve():
+    inputs = checks.make_stored(0, head_dim=64, length=10, allocated=16, group=4)
+    with pytest.raises(ValueError, match="scale groups"):
+        GPU_OPS.decode_attention(**inputs)
+    with pytest.raises(ValueError, match="one query token"):
+        attention.decode_attention(mx.zeros((1, 8, 2, 128)), checks.make_stored(0)["stored"], 0.1)
+    odd = checks.make_encode_inputs(0, head_dim=96)
+    with pytest.raises(ValueError, match="head_dim"):
+        encode.encode(**odd)
