@@ -13,7 +13,9 @@ Made for the lent NVIDIA H200 (MLX's CUDA backend); runs on any MLX backend.
    measured copy bandwidth).
 2. End to end: decode tok/s of a Qwen3-1.7B-shaped model with random bf16 weights at
    each ``--e2e-context``, per scheme, through butter's own engine (chunked prefill,
-   then ``forward_sample`` per token).
+   then two untimed steps (the first, reported as ``first_step_s``, compiles the decode
+   kernels), then ``--decode-tokens`` timed steps, each split into building the step's
+   graph in Python (``step_build_ms``) and evaluating it (``step_eval_ms``).
 
 Usage: python3 bench/gpu_bench.py [--kv-cache raw,affine4,...] [--json PATH]
 Each section catches its own errors so one failure does not hide the rest.
@@ -164,15 +166,27 @@ def e2e_section(args, rows):
                 token = mx.argmax(engine.forward(prompt, caches)).item()
                 prefill_s = time.perf_counter() - start
                 start = time.perf_counter()
+                token = engine.forward_sample(token, caches[0].absolute_position, caches)
+                first_step_s = time.perf_counter() - start  # includes compiling the decode kernels
+                token = engine.forward_sample(token, caches[0].absolute_position, caches)
+                build_s = eval_s = 0.0
                 for _ in range(args.decode_tokens):
-                    token = engine.forward_sample(token, caches[0].absolute_position, caches)
-                decode_s = time.perf_counter() - start
+                    start = time.perf_counter()
+                    logits = engine.forward([token], caches)
+                    built = time.perf_counter()
+                    token = mx.argmax(logits).item()
+                    build_s += built - start
+                    eval_s += time.perf_counter() - built
+                decode_s = build_s + eval_s
                 rows.append(
                     {
                         "scheme": name,
                         "context": context,
                         "prefill_tok_s": round(context / prefill_s, 1),
+                        "first_step_s": round(first_step_s, 3),
                         "decode_tok_s": round(args.decode_tokens / decode_s, 2),
+                        "step_build_ms": round(1e3 * build_s / args.decode_tokens, 2),
+                        "step_eval_ms": round(1e3 * eval_s / args.decode_tokens, 2),
                         "kv_bytes_live": sum(c.nbytes_live for c in caches),
                         "peak_memory_bytes": mx.get_peak_memory(),
                     }
@@ -214,10 +228,12 @@ def main() -> None:
         )
     if e2e:
         print("\nend to end, Qwen3-1.7B-shaped, random bf16 weights")
-        print(f"{'scheme':10s} {'context':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'KV MB':>8s} {'peak GB':>8s}")
+        print(f"{'scheme':10s} {'context':>8s} {'prefill tok/s':>14s} {'1st step s':>11s} {'decode tok/s':>13s} "
+              f"{'build ms':>9s} {'eval ms':>8s} {'KV MB':>8s} {'peak GB':>8s}")
         for r in e2e:
             print(
-                f"{r['scheme']:10s} {r['context']:8d} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.2f} "
+                f"{r['scheme']:10s} {r['context']:8d} {r['prefill_tok_s']:14.1f} {r['first_step_s']:11.3f} "
+                f"{r['decode_tok_s']:13.2f} {r['step_build_ms']:9.2f} {r['step_eval_ms']:8.2f} "
                 f"{r['kv_bytes_live'] / 1e6:8.1f} {r['peak_memory_bytes'] / 1e9:8.2f}"
             )
     if args.json:

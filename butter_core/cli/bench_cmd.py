@@ -24,16 +24,14 @@ from butter_core.benchmark import (
     write_json,
     write_plot,
 )
-from butter_core.cli.model_options import positive_int
+from butter_core.cli.model_options import add_model_argument, positive_int
 from butter_core.default_model import DEFAULT_MODEL_NAME
 from butter_core.model import Model
 
 
 def add_model_and_schemes(parser: argparse.ArgumentParser, raw_note: str) -> None:
     """``-m/--model`` and a comma-separated ``--kv-cache`` list (shared with ``butter quality``)."""
-    parser.add_argument(
-        "-m", "--model", help="model directory, .gguf file or Hugging Face repo id (default: SmolLM2-135M-Instruct)"
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--kv-cache", default="raw", metavar="SCHEME,...",
         help=f"comma-separated KV cache schemes (see `butter plugins`), e.g. raw,affine8 (default raw); {raw_note}",

@@ -37,11 +37,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the model and KV cache flags to ``parser``."""
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``-m/--model`` (every command that loads a model has it)."""
     parser.add_argument(
         "-m", "--model", help="model directory, .gguf file or Hugging Face repo id (default: SmolLM2-135M-Instruct)"
     )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the model and KV cache flags to ``parser``."""
+    add_model_argument(parser)
     parser.add_argument("--kv-cache", default="raw", metavar="SCHEME", help="KV cache scheme (see `butter plugins`); default raw")
     parser.add_argument("--kv-window-size", type=positive_int, metavar="N", help="sliding-window eviction: keep at most N positions per layer")
     parser.add_argument("--kv-window-keep", type=non_negative_int, metavar="K", help="sink positions the window never evicts (default 4)")
