@@ -18,10 +18,12 @@ error.
 
 Candidates (``VARIANTS``): AURA with per-vector or per-group scales, with and without the
 budget, without rotation; affine baselines in mlx-lm's layout (``mx.quantize``: a float16
-scale and bias per group), which is what butter-affine stores.
+scale and bias per group), which is what butter-affine stores, with and without the
+same budget.
 
 Bits per element count every code, scale and norm: "asymptotic" per position, and "at
-N" as allocated for an N-token context including the fixed full-precision rows.
+N" as allocated for an N-token context including the fixed full-precision rows; the
+script also prints what the real caches allocate (``nbytes_allocated``).
 
 Usage: ``python bench/aura_design.py [--tokens 2048] [--variants NAME ...] [--check]``
 (about a minute per variant and text on two CPU cores).
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,7 @@ VARIANTS = [
     Variant("affine4 g32", "affine", 4, 4, 32),
     Variant("affine8 g64", "affine", 8, 8, 64),
     Variant("affine8/4 g64", "affine", 8, 4, 64),
+    Variant("affine4 g64 s4 r32", "affine", 4, 4, 64, sinks=4, recent=32),
     aura("k4v2 vector", 4, 2),
     aura("k4v2 g32", 4, 2, 32),
     aura("k4v2 g16", 4, 2, 16),
@@ -258,7 +260,7 @@ def main() -> None:
     print("|---|---|---|" + "---|---|" * len(args.texts))
     for variant in chosen:
         rows = {r["text"]: r for r in results if r["variant"] == variant.name}
-        cells = " | ".join(f"{rows[t]['kl_mean']:.4f} | {rows[t]['top1']:.3f}" for t in args.texts)
+        cells = " | ".join(f"{rows[t]['kl_mean']:.5f} | {rows[t]['top1']:.3f}" for t in args.texts)
         print(f"| {variant.name} | {variant.bits_per_element(head_dim):.3f} | "
               f"{variant.bits_per_element(head_dim, args.tokens):.3f} | {cells} |")
     if args.json:

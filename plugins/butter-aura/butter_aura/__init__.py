@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 from butter_core import Aura, CacheScheme, hookimpl
-from butter_core.config import AURA_BITS
 from butter_core.errors import ConfigError
 
 from butter_aura.cache import AuraCache
@@ -72,4 +71,4 @@ def butter_register_cache_schemes(register):
     )
 
 
-__all__ = ["AURA_BITS", "AuraCache", "butter_register_cache_schemes", "parse"]
+__all__ = ["AuraCache", "butter_register_cache_schemes", "parse"]

@@ -38,6 +38,10 @@ class AuraCache(BufferedSlotCache):
 
     Re-encoding a slot writes whole new code words, so nothing of a slot's previous
     contents survives (window eviction overwrites slots).
+
+    ``ops`` runs encode/decode_attention/dequantize: ``butter_aura.reference`` (pure mx,
+    the default) or ``butter_aura.kernels.GPU_OPS``, as ``kernels.ops_for`` picks when
+    the scheme creates caches. ``seed`` is the base seed of the layer's rotation.
     """
 
     def __init__(self, spec: LayerSpec, kind: Aura, *, seed: int = DEFAULT_SEED, ops=None):

@@ -35,10 +35,19 @@ class Codebook:
         return tuple((a + b) / 2 for a, b in zip(self.levels, self.levels[1:]))
 
     def levels_array(self) -> mx.array:
-        return mx.array(self.levels, dtype=mx.float32)
+        """The levels as float32, made once per process (a decode step passes them to the kernels)."""
+        return _as_array(self.levels)
 
     def boundaries_array(self) -> mx.array:
-        return mx.array(self.boundaries, dtype=mx.float32)
+        """The boundaries as float32, made once per process."""
+        return _as_array(self.boundaries)
+
+
+@functools.cache
+def _as_array(values: tuple[float, ...]) -> mx.array:
+    array = mx.array(values, dtype=mx.float32)
+    mx.eval(array)
+    return array
 
 
 @functools.cache

@@ -3,7 +3,8 @@
 Per slot and KV head: the key's codes and scales and the value's codes and scales
 (``codec.Codec``). Beside them, a small full-precision budget (``FullPrecisionBudget``):
 the first ``SINKS`` slots and the ``RECENT`` most recently written slots are also kept
-as 16-bit rotated rows, and attention reads those rows instead of their codes. The
+as 16-bit copies of the original (unrotated) vectors, and attention reads those rows
+instead of their codes. The
 constants are the measured choice recorded in docs/aura.md.
 """
 
