@@ -7,12 +7,16 @@ butter-raw and butter-affine installed:
     python bench/gpu_affine.py --no-sweep # without the tunables sweep
     python bench/gpu_affine.py --no-checks # timings only
 
-1. Every ``KERNEL_CHECKS`` case, plus ``decode_attention`` at the timed shapes (4k and
-   32k, 4/6/8 bits; the float32 reference on the CPU makes 128k slow to check): relative error ‖out − ref‖/‖ref‖ on fresh random data, kernel
-   outputs poisoned with NaN. A failed check is reported and its kernel still timed.
+1. Every ``KERNEL_CHECKS`` case (the tensor-core ``decode_attention_mma`` among them),
+   plus ``decode_attention`` and ``decode_attention_mma`` at the timed shapes (4k and 32k;
+   4/6/8 bits and 4/8 bits; the float32 reference on the CPU makes 128k slow to check):
+   relative error ‖out − ref‖/‖ref‖ on fresh random data, kernel outputs poisoned with
+   NaN, each printed ok/FAIL as it finishes. A failed check is reported and its kernel
+   still timed.
 2. Amortised timings (50 calls evaluated together, divided by 50; GPU-NOTES), batch 1,
    32 query heads, 8 KV heads, head_dim 128, bf16, contexts 4k/32k/128k, of single-token
-   attention by four paths: MLX's SDPA on raw bf16 K/V; the fused kernel on affine4/6/8
+   attention by five paths: MLX's SDPA on raw bf16 K/V; the fused float32 kernel
+   (``decode``) on affine4/6/8 codes; the tensor-core kernel (``decode_mma``) on affine4/8
    codes; dequantize kernel + SDPA; mlx-lm's ``mx.quantized_matmul`` path on the same
    codes. Each with the bytes it must move and the rate that makes (against 4.1 TB/s,
    the copy rate measured on the H200). Consecutive calls read different buffers when
@@ -22,7 +26,8 @@ butter-raw and butter-affine installed:
 4. The working set of a 30-layer chunked-prefill step over 32k positions (dequantize per
    layer), against a 5-layer one, with the caches' ``PrefillPipeline`` off and on: one
    layer's dequantized K/V, or all layers'.
-5. The fused kernel's tunables (``butter_affine.kernels.decode``), one at a time, at 128k.
+5. The kernels' tunables (``butter_affine.kernels.decode``, then ``decode_mma`` for
+   affine4 and affine8), one at a time, at 128k.
 Prints compact tables; with ``OUT`` set, writes everything to ``$OUT/affine.json``.
 """
 
@@ -43,13 +48,15 @@ import mlx.core as mx
 
 from butter_core import Affine, LayerSpec, Raw, make_layer_caches
 from butter_core.kernels import gpu_backend
-from butter_affine.kernels import KERNEL_CHECKS, decode, dequantize, quantize
+from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
 from butter_affine.ops import quantized_matmul_decode
 from butter_affine.packing import BUFFERS, PackedFormat
 
 CALLS = 50
 REPEATS = 5
 CONTEXTS = (4096, 32768, 131072)
+CHECK_CONTEXTS = (4096, 32768)
+"""Contexts at which the decode kernels are also checked at the timed shapes."""
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, mx.bfloat16
 SCHEMES = {"affine4": (4, 32), "affine6": (6, 32), "affine8": (8, 64)}
 QUANTIZED_MATMUL_SKIP = {"affine8"}
@@ -68,6 +75,26 @@ SWEEPS = (
     {"ELEMS": 8},
 )
 """Overrides of ``butter_affine.kernels.decode``'s tunables, each timed alone for affine4 at 128k."""
+TENSOR_CORE_SWEEPS = (
+    {"PREFETCH": True},
+    {"KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
+    {"KEY_BLOCKS": 4},
+    {"KEY_BLOCKS": 4, "TARGET_BLOCKS": 264},
+    {"TARGET_BLOCKS": 264},
+    {"TARGET_BLOCKS": 528},
+    {"WARPS": 8, "TARGET_BLOCKS": 264},
+)
+"""Overrides of ``butter_affine.kernels.decode_mma``'s tunables, each timed alone for affine4
+and affine8 at 128k. Registers decide threadgroups per multiprocessor (nvcc 13.0, sm_90a,
+bf16, head_dim 128, 4 heads: ``KEY_BLOCKS`` 1: 128, 4 and 8 bits -> 4 per multiprocessor,
+so 528 = one wave on 132; ``KEY_BLOCKS`` 2: 158 / 196 -> 3 / 2; ``PREFETCH`` off: 122 /
+125), so ``TARGET_BLOCKS`` moves with them. The defaults (``KEY_BLOCKS=2``, no prefetch,
+396) won the first H200 sweep (2026-11-30); these try around them."""
+
+
+def tensor_core(bits: int, group: int) -> bool:
+    """Whether the tensor-core kernel takes this scheme at the timed shapes."""
+    return decode_mma.supports(PackedFormat(bits, group, HEAD_DIM, DTYPE), DTYPE)
 
 REPORT: dict = {}
 
@@ -97,10 +124,12 @@ def amortised_us(build: Callable[[], list[mx.array]]) -> float:
 def run_checks() -> list[dict]:
     cases = [(check, case) for check in KERNEL_CHECKS for case in check.cases]
     attention = next(c for c in KERNEL_CHECKS if c.name == "decode_attention")
+    attention_mma = next(c for c in KERNEL_CHECKS if c.name == "decode_attention_mma")
     cases += [
-        (attention, dict(bits=bits, group_size=group, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         allocated=length + 256, length=length, dtype=DTYPE))
-        for length in (4096, 32768) for bits, group in SCHEMES.values()
+        (check, dict(bits=bits, group_size=group, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                     allocated=length + 256, length=length, dtype=DTYPE))
+        for length in CHECK_CONTEXTS for bits, group in SCHEMES.values()
+        for check in (attention, *((attention_mma,) if tensor_core(bits, group) else ()))
     ]
     results = []
     for seed, (check, case) in enumerate(cases):
@@ -111,7 +140,7 @@ def run_checks() -> list[dict]:
         except Exception:  # a compile error must not hide the other kernels' results
             row.update(passed=False, error=traceback.format_exc(limit=4))
         results.append(row)
-        print(f"check {row['kernel']:16s} {'ok  ' if row['passed'] else 'FAIL'} "
+        print(f"check {row['kernel']:20s} {'ok  ' if row['passed'] else 'FAIL'} "
               f"rel_err={row.get('relative_error', float('nan')):.2e} {row['case']}", flush=True)
         if "error" in row:
             print(row["error"], flush=True)
@@ -161,6 +190,9 @@ def time_attention(length: int) -> list[dict]:
         def fused(b):
             return decode.decode_attention(q, *(b[n] for n in BUFFERS), length=length, scale=scale)
 
+        def tensor_core_fused(b):
+            return decode_mma.decode_attention(q, *(b[n] for n in BUFFERS), length=length, scale=scale)
+
         def dequant_sdpa(b):
             keys, values = dequantize.dequantize_kv(*(b[n] for n in BUFFERS), length=length, bits=bits, dtype=DTYPE)
             return sdpa(q, keys, values, scale=scale)
@@ -168,12 +200,17 @@ def time_attention(length: int) -> list[dict]:
         def matmul(b):
             return quantized_matmul_decode(q, b, length, scale, bits=bits, group_size=group)
 
-        paths = [(f"{name} fused kernel", fused, packed_bytes),
-                 (f"{name} dequantize + SDPA", dequant_sdpa, packed_bytes + 2 * raw_bytes)]
+        paths = [(f"{name} fused kernel", fused, packed_bytes)]
+        if tensor_core(bits, group):
+            paths.append((f"{name} tensor-core kernel", tensor_core_fused, packed_bytes))
+        paths.append((f"{name} dequantize + SDPA", dequant_sdpa, packed_bytes + 2 * raw_bytes))
         if name not in QUANTIZED_MATMUL_SKIP:
             paths.append((f"{name} mx.quantized_matmul", matmul, packed_bytes))
         for path, fn, moved in paths:
-            add(path, amortised_us(lambda: [fn(sets[i % len(sets)]) for i in range(CALLS)]), moved)
+            try:
+                add(path, amortised_us(lambda: [fn(sets[i % len(sets)]) for i in range(CALLS)]), moved)
+            except Exception:  # e.g. a kernel that fails to compile: time the other paths
+                print(f"  {length:>7} {path:28s} FAILED\n{traceback.format_exc(limit=4)}", flush=True)
         del sets
         gc.collect()
     return rows
@@ -238,29 +275,39 @@ def prefill_working_set(layers: int, pipelined: bool, length: int = 32768, chunk
 
 
 def sweep(length: int = 131072) -> list[dict]:
-    bits, group = SCHEMES["affine4"]
-    q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
-    fmt = PackedFormat(bits, group, HEAD_DIM, DTYPE)
-    sets = packed_sets(bits, group, length, buffer_count(2 * KV_HEADS * length * fmt.row_bytes))
+    """Each kernel's tunables one at a time: the float32 kernel on affine4, the tensor-core
+    kernel on affine4 and affine8."""
+    rows = []
+    for module, scheme, overrides_list in ((decode, "affine4", SWEEPS),
+                                           (decode_mma, "affine4", TENSOR_CORE_SWEEPS),
+                                           (decode_mma, "affine8", TENSOR_CORE_SWEEPS)):
+        kernel = module.__name__.rsplit(".", 1)[-1]
+        bits, group = SCHEMES[scheme]
+        q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
+        fmt = PackedFormat(bits, group, HEAD_DIM, DTYPE)
+        sets = packed_sets(bits, group, length, buffer_count(2 * KV_HEADS * length * fmt.row_bytes))
 
-    def timed():
-        return amortised_us(lambda: [decode.decode_attention(
-            q, *(sets[i % len(sets)][n] for n in BUFFERS), length=length, scale=HEAD_DIM**-0.5)
-            for i in range(CALLS)])
+        def timed():
+            return amortised_us(lambda: [module.decode_attention(
+                q, *(sets[i % len(sets)][n] for n in BUFFERS), length=length, scale=HEAD_DIM**-0.5)
+                for i in range(CALLS)])
 
-    rows = [{"override": "defaults", "us": timed()}]
-    for overrides in SWEEPS:
-        defaults = {name: getattr(decode, name) for name in overrides}
-        try:
-            for name, value in overrides.items():
-                setattr(decode, name, value)
-            rows.append({"override": overrides, "us": timed()})
-        except Exception:
-            rows.append({"override": overrides, "error": traceback.format_exc(limit=3)})
-        finally:
-            for name, value in defaults.items():
-                setattr(decode, name, value)
-        print(f"  sweep {rows[-1]}", flush=True)
+        for overrides in ({}, *overrides_list):
+            row = {"kernel": kernel, "scheme": scheme, "override": overrides or "defaults"}
+            defaults = {name: getattr(module, name) for name in overrides}
+            try:
+                for name, value in overrides.items():
+                    setattr(module, name, value)
+                row["us"] = timed()
+            except Exception:
+                row["error"] = traceback.format_exc(limit=3)
+            finally:
+                for name, value in defaults.items():
+                    setattr(module, name, value)
+            rows.append(row)
+            print(f"  sweep {row}", flush=True)
+        del sets
+        gc.collect()
     return rows
 
 
@@ -278,6 +325,11 @@ def print_tables() -> None:
         fused = by[(131072, "affine4 fused kernel")]
         print(f"goal at 128k: fused affine4 / raw SDPA = {fused / raw[131072]:.2f} (goal <= 0.5); "
               f"quantized_matmul / fused = {by[(131072, 'affine4 mx.quantized_matmul')] / fused:.1f}x (goal >= 20)")
+    for name in ("affine4", "affine8"):
+        if (131072, f"{name} tensor-core kernel") in by:
+            tc = by[(131072, f"{name} tensor-core kernel")]
+            print(f"at 128k: tensor-core {name} / raw SDPA = {tc / raw[131072]:.2f} (goal <= 0.5); "
+                  f"/ fused {name} = {tc / by[(131072, f'{name} fused kernel')]:.2f}")
     if REPORT.get("append"):
         print("\none-token append, amortised µs")
         for r in REPORT["append"]:
@@ -290,9 +342,10 @@ def print_tables() -> None:
             print(f"  {r['layers']:>3} layers  {'PrefillPipeline' if r['pipelined'] else 'one graph      '}  "
                   f"{r['working_set'] / 2**20:7.0f} MiB = {r['working_set'] / one:5.1f} layers   step {r['step_ms']:7.1f} ms")
     if REPORT.get("sweep"):
-        print("\nfused affine4 at 128k, tunables one at a time (µs)")
+        print("\nkernels at 128k, tunables one at a time (µs)")
         for r in REPORT["sweep"]:
-            print(f"  {r.get('us', float('nan')):7.1f}  {r['override']}")
+            print(f"  {r.get('kernel', 'decode'):10s} {r.get('scheme', 'affine4')}  {r.get('us', float('nan')):7.1f}  "
+                  f"{r['override']}")
 
 
 def main() -> int:

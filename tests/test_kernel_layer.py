@@ -14,10 +14,11 @@ from butter_core.kernels import (
     KernelUnavailableError,
     default_device_is_gpu,
     gpu_backend,
+    mma,
     relative_error,
     split_k,
 )
-from butter_core.kernels.dialect import HEADER, PREAMBLE
+from butter_core.kernels.dialect import HEADER, MMA_HEADER, PREAMBLE
 
 BACKENDS = ("metal", "cuda")
 MACROS = ("BT_SHARED", "BT_SHARED_PTR", "BT_BARRIER", "BT_GLOBAL", "BT_PRIVATE", "BT_FUNC",
@@ -89,6 +90,44 @@ def test_header_appends_kernel_helpers():
                     helpers="BT_FUNC float twice(float x) { return 2 * x; }\n")
     for backend in BACKENDS:
         assert kernel.header(backend) == HEADER[backend] + kernel.helpers
+
+
+MMA_FUNCTIONS = ("bt_any", "bt_shuffle_u32", "bt_half2_fma", "bt_pack_half2", "bt_byte_perm", "bt_mma_16x8x16")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_core_vocabulary_is_opt_in(backend):
+    """Only kernels built with ``mma=True`` get it, so no other kernel's source changes."""
+    for function in MMA_FUNCTIONS:
+        assert re.search(rf"\b{function}\s*\(", MMA_HEADER[backend]), function
+        assert not re.search(rf"\b{function}\s*\(", HEADER[backend]), function
+    plain = _kernel("test_layer_plain")
+    tensor = Kernel("test_layer_mma", ["inp"], ["out"], "out[0] = inp[0];", helpers="// h\n", mma=True)
+    assert plain.header(backend) == HEADER[backend] + plain.helpers
+    assert tensor.header(backend) == HEADER[backend] + MMA_HEADER[backend] + tensor.helpers
+
+
+def test_cuda_tensor_core_vocabulary_is_the_documented_instruction():
+    text = MMA_HEADER["cuda"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
+    assert "fma.rn.f16x2" in text and "cvt.rn.f16x2.f32" in text
+    assert not re.search(r"\buint\b", text) and not re.search(r"\binf\b", text)
+
+
+def test_mma_helpers_are_dialect_only():
+    helpers = mma.MMA_SPLIT_K_HELPERS
+    assert "#if" not in helpers and "__METAL_VERSION__" not in helpers and "asm" not in helpers
+    for name in ("mma_query_fragments(", "mma_softmax(", "mma_write_partials(", "splitk_merge_warps<"):
+        assert name in helpers
+    assert "splitk_merge_warps(" in split_k.SPLIT_K_HELPERS
+
+
+def test_mma_max_heads_keeps_shared_state_small():
+    assert mma.max_heads(128) == 16 and mma.max_heads(64) == 16 and mma.max_heads(256) == 8
+    assert mma.max_heads(128, warps=8) == 8
+    for dims in (64, 128, 256):
+        for warps in (2, 4, 8):
+            assert warps * mma.max_heads(dims, warps) * dims * 4 <= 32 * 1024
 
 
 def test_backend_detection_agrees_with_mlx():

@@ -31,6 +31,40 @@ Functions:
                                           a float array (16-byte vector loads on CUDA;
                                           src must then be 16-byte aligned)
 
+Tensor-core vocabulary, in kernels built with ``Kernel(..., mma=True)`` only (so no other
+kernel's source changes). ``half2`` values travel as ``uint32_t``: the lower 16 bits hold
+the first, lower-index element, as CUDA's ``__half2`` and Metal's ``half2`` do.
+    bt_any(p)                             whether ``p`` holds in any lane of the warp
+                                          (every lane must call it)
+    bt_shuffle_u32(v, src_lane)           the uint32_t ``v`` of lane ``src_lane`` (every
+                                          lane must call it)
+    bt_half2_fma(a, b, c)                 per half: a * b + c, rounded once to float16
+    bt_pack_half2(lo, hi)                 two floats rounded to float16, as a half2
+    bt_byte_perm(x, y, s)                 CUDA's ``__byte_perm``: byte n of the result is
+                                          byte ``(s >> 4n) & 7`` of the 8 bytes ``y:x``
+                                          (x's bytes are 0..3); selector nibbles must be < 8
+    bt_mma_16x8x16(c, a, b, lane)         ``D = A B + C`` for A 16x16 and B 16x8 in float16,
+                                          C/D 16x8 in float32, spread over the warp's 32
+                                          lanes exactly as CUDA's ``mma.sync.aligned.m16n8k16
+                                          .row.col.f32.f16.f16.f32`` spreads them. Every lane
+                                          of the warp must call it (uniform control flow).
+                                          With g = lane / 4 and q = lane % 4:
+                                            a[0] = A[g][2q, 2q+1]      a[1] = A[g+8][2q, 2q+1]
+                                            a[2] = A[g][2q+8, 2q+9]    a[3] = A[g+8][2q+8, 2q+9]
+                                            b[0] = B[2q, 2q+1][g]      b[1] = B[2q+8, 2q+9][g]
+                                            c[0], c[1] = C[g][2q], C[g][2q+1]
+                                            c[2], c[3] = C[g+8][2q], C[g+8][2q+1]
+                                          (a[i], b[i]: half2 of the two elements named; ``c``
+                                          is updated in place; ``lane`` is ``lane_id``).
+                                          On CUDA it is one tensor-core instruction (products
+                                          exact, sums in float32 with the hardware's own
+                                          order and rounding). On Metal it is a plain,
+                                          slow emulation of the same per-lane contract with
+                                          ``simd_shuffle`` (32 shuffles and 64 float FMAs per
+                                          lane), written to be correct, never compiled or
+                                          run here (no Apple GPU): a Metal kernel that wants
+                                          speed should use ``simdgroup_matrix`` instead.
+
 What MLX generates (read from MLX's custom-kernel sources, mlx 0.32):
 - Metal: ``template <typename T, int D, ...> [[kernel]] void custom_kernel_<name>_<hash>(
   const device T* x [[buffer(i)]], const constant int* x_shape, const constant int64_t*
@@ -163,6 +197,82 @@ BT_FUNC void bt_load(const T* src, float* dst) {
 }
 """
 
+_CUDA_MMA = r"""
+// ---- tensor-core vocabulary (CUDA: PTX) ----
+BT_FUNC bool bt_any(bool p) { return __any_sync(0xffffffffu, p); }
+BT_FUNC uint32_t bt_shuffle_u32(uint32_t v, int src_lane) {
+  return __shfl_sync(0xffffffffu, v, src_lane);
+}
+BT_FUNC uint32_t bt_half2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+BT_FUNC uint32_t bt_pack_half2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));  // first operand -> upper half
+  return d;
+}
+BT_FUNC uint32_t bt_byte_perm(uint32_t x, uint32_t y, uint32_t s) { return __byte_perm(x, y, s); }
+BT_FUNC void bt_mma_16x8x16(float* c, const uint32_t* a, const uint32_t* b, unsigned int lane) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+"""
+"""The CUDA implementation of the tensor-core vocabulary: inline PTX. Kept as one block
+so a CPU emulator of the CUDA dialect can replace it with software versions."""
+
+_METAL_MMA = r"""
+// ---- tensor-core vocabulary (Metal: a plain emulation of CUDA's per-lane contract) ----
+BT_FUNC bool bt_any(bool p) { return simd_any(p); }
+BT_FUNC uint32_t bt_shuffle_u32(uint32_t v, int src_lane) {
+  return simd_shuffle(v, static_cast<ushort>(src_lane));
+}
+BT_FUNC uint32_t bt_half2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  return as_type<uint32_t>(metal::fma(as_type<half2>(a), as_type<half2>(b), as_type<half2>(c)));
+}
+BT_FUNC uint32_t bt_pack_half2(float lo, float hi) {
+  return as_type<uint32_t>(half2(static_cast<half>(lo), static_cast<half>(hi)));
+}
+BT_FUNC uint32_t bt_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t i = (s >> (4 * n)) & 7u;
+    const uint32_t byte = ((i < 4 ? x >> (8 * i) : y >> (8 * (i - 4)))) & 0xFFu;
+    r |= byte << (8 * n);
+  }
+  return r;
+}
+BT_FUNC float bt_half2_dot(uint32_t x, uint32_t y) {
+  const half2 hx = as_type<half2>(x);
+  const half2 hy = as_type<half2>(y);
+  return static_cast<float>(hx.x) * static_cast<float>(hy.x) + static_cast<float>(hx.y) * static_cast<float>(hy.y);
+}
+BT_FUNC void bt_mma_16x8x16(thread float* c, const thread uint32_t* a, const thread uint32_t* b, unsigned int lane) {
+  // Lane (g, q) needs rows g and g+8 of A (held by lanes 4g..4g+3) and columns 2q and
+  // 2q+1 of B (held by lanes 8q..8q+3 and 8q+4..8q+7): gather them k-slice by k-slice.
+  const ushort g = static_cast<ushort>(lane / 4);
+  const ushort q = static_cast<ushort>(lane % 4);
+  for (ushort s = 0; s < 4; ++s) {  // the k columns 2s, 2s+1, 2s+8, 2s+9
+    const ushort row_lane = g * 4 + s;
+    const ushort col0_lane = (2 * q) * 4 + s;
+    const ushort col1_lane = (2 * q + 1) * 4 + s;
+    const uint32_t a0 = simd_shuffle(a[0], row_lane), a1 = simd_shuffle(a[1], row_lane);
+    const uint32_t a2 = simd_shuffle(a[2], row_lane), a3 = simd_shuffle(a[3], row_lane);
+    const uint32_t b00 = simd_shuffle(b[0], col0_lane), b01 = simd_shuffle(b[1], col0_lane);
+    const uint32_t b10 = simd_shuffle(b[0], col1_lane), b11 = simd_shuffle(b[1], col1_lane);
+    c[0] += bt_half2_dot(a0, b00) + bt_half2_dot(a2, b01);
+    c[1] += bt_half2_dot(a0, b10) + bt_half2_dot(a2, b11);
+    c[2] += bt_half2_dot(a1, b00) + bt_half2_dot(a3, b01);
+    c[3] += bt_half2_dot(a1, b10) + bt_half2_dot(a3, b11);
+  }
+}
+"""
+"""The Metal implementation of the tensor-core vocabulary: correct per-lane semantics,
+no speed; not compiled here (no Apple GPU)."""
+
 _GROUP_REDUCTIONS = """\
 template <int W> BT_FUNC float bt_group_sum(float v) {
   for (int offset = W / 2; offset > 0; offset /= 2) {
@@ -198,12 +308,17 @@ HEADER: dict[Backend, str] = {
 }
 """Macros and helper functions of the dialect; put before a kernel's own helpers."""
 
+MMA_HEADER: dict[Backend, str] = {"metal": _METAL_MMA, "cuda": _CUDA_MMA}
+"""The tensor-core vocabulary (and ``bt_any``, ``bt_shuffle_u32``): added after ``HEADER``
+only for kernels built with ``mma=True``, so no other kernel's source changes."""
+
 
 def kernel_source(backend: Backend, body: str) -> str:
     """The source MLX receives for a kernel body: the preamble, then the body."""
     return PREAMBLE[backend] + body
 
 
-def kernel_header(backend: Backend, helpers: str = "") -> str:
-    """The header MLX receives: the dialect, then the kernel's own helper functions."""
-    return HEADER[backend] + helpers
+def kernel_header(backend: Backend, helpers: str = "", *, mma: bool = False) -> str:
+    """The header MLX receives: the dialect (with the tensor-core vocabulary when ``mma``),
+    then the kernel's own helper functions."""
+    return HEADER[backend] + (MMA_HEADER[backend] if mma else "") + helpers

@@ -18,7 +18,7 @@ _POISON = contextvars.ContextVar("butter_poison_outputs", default=False)
 
 # MLX caches compiled CUDA kernels by name (and template values) for the whole
 # process, so two different sources under one name would silently share a binary.
-_DEFINED: dict[str, tuple[str, str]] = {}
+_DEFINED: dict[str, tuple[str, str, bool]] = {}
 
 
 class KernelUnavailableError(RuntimeError):
@@ -45,8 +45,9 @@ class Kernel:
     for the vocabulary and for the signature MLX generates from ``input_names`` and
     ``output_names``); ``helpers`` is extra header code (device functions, written with
     ``BT_FUNC``). ``shared_memory`` is bytes of dynamic shared memory, which only MLX's
-    CUDA kernels support. Nothing is compiled until the first call; MLX then compiles
-    once per distinct ``template``.
+    CUDA kernels support. ``mma`` adds the dialect's tensor-core vocabulary to the header
+    (``bt_mma_16x8x16`` and friends). Nothing is compiled until the first call; MLX then
+    compiles once per distinct ``template``.
     """
 
     def __init__(
@@ -58,8 +59,9 @@ class Kernel:
         *,
         helpers: str = "",
         shared_memory: int = 0,
+        mma: bool = False,
     ) -> None:
-        if _DEFINED.setdefault(name, (body, helpers)) != (body, helpers):
+        if _DEFINED.setdefault(name, (body, helpers, mma)) != (body, helpers, mma):
             raise ValueError(
                 f"kernel name {name!r} is already used by a different kernel; MLX caches "
                 "compiled kernels by name, so kernel names must be unique"
@@ -70,6 +72,7 @@ class Kernel:
         self.body = body
         self.helpers = helpers
         self.shared_memory = shared_memory
+        self.mma = mma
         self._built: dict[Backend, Any] = {}
 
     def __repr__(self) -> str:
@@ -81,7 +84,7 @@ class Kernel:
 
     def header(self, backend: Backend) -> str:
         """The header source handed to MLX for ``backend``."""
-        return kernel_header(backend, self.helpers)
+        return kernel_header(backend, self.helpers, mma=self.mma)
 
     def unavailable_reason(self) -> str | None:
         """Why this kernel cannot run here, or None when it can."""

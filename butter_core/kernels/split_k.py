@@ -30,6 +30,11 @@ kernel's ``helpers``):
   ``splitk_merge_lanes``; it merges the warps through three shared arrays the kernel
   declares (``BT_SHARED float warp_m[WARPS * HEADS], warp_l[WARPS * HEADS],
   warp_acc[WARPS * HEADS * D]``) and writes the split's partials.
+- ``splitk_merge_warps<HEADS, D, WARPS>(thread_rank, block, warp_m, warp_l, warp_acc,
+  partial_acc, partial_max, partial_sum)``: the second half of ``splitk_write_partials``,
+  for kernels that store their warps' states to those shared arrays their own way (the
+  tensor-core kernels of ``butter_core.kernels.mma``): every thread calls it after a
+  barrier that follows the stores.
 
 Partials are ``partial_acc [B, Hq, splits, D]``, ``partial_max`` and ``partial_sum``
 ``[B, Hq, splits]``, all float32 (``SplitKLaunch.output_shapes``/``output_dtypes``); a
@@ -103,28 +108,14 @@ BT_FUNC void splitk_merge_lanes(BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRI
   }
 }
 
-// Lanes of key slot 0 (slot == 0) hold their warp's merged state for dimensions
-// [sub * VEC, (sub + 1) * VEC).
-template <int HEADS, int VEC, int D, int WARPS>
-BT_FUNC void splitk_write_partials(
-    const BT_PRIVATE float* m, const BT_PRIVATE float* l, const BT_PRIVATE float* acc,
-    int sub, int slot, int warp, int rank, SplitKBlock block,
-    BT_SHARED_PTR float* warp_m, BT_SHARED_PTR float* warp_l, BT_SHARED_PTR float* warp_acc,
+// After a barrier that follows every warp's store of its state (m, l per head: warp_m,
+// warp_l [WARPS * HEADS]; acc: warp_acc [WARPS * HEADS * D]), every thread calls this:
+// it merges the warps and writes the split's partials.
+template <int HEADS, int D, int WARPS>
+BT_FUNC void splitk_merge_warps(
+    int rank, SplitKBlock block,
+    const BT_SHARED_PTR float* warp_m, const BT_SHARED_PTR float* warp_l, const BT_SHARED_PTR float* warp_acc,
     BT_GLOBAL float* partial_acc, BT_GLOBAL float* partial_max, BT_GLOBAL float* partial_sum) {
-  if (slot == 0) {
-#pragma unroll
-    for (int h = 0; h < HEADS; ++h) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        warp_acc[(warp * HEADS + h) * D + sub * VEC + i] = acc[h * VEC + i];
-      }
-      if (sub == 0) {
-        warp_m[warp * HEADS + h] = m[h];
-        warp_l[warp * HEADS + h] = l[h];
-      }
-    }
-  }
-  BT_BARRIER;
   for (int e = rank; e < HEADS * D; e += WARPS * BT_WARP_SIZE) {
     const int h = e / D;
     const int d = e % D;
@@ -149,6 +140,32 @@ BT_FUNC void splitk_write_partials(
     }
   }
 }
+
+// Lanes of key slot 0 (slot == 0) hold their warp's merged state for dimensions
+// [sub * VEC, (sub + 1) * VEC).
+template <int HEADS, int VEC, int D, int WARPS>
+BT_FUNC void splitk_write_partials(
+    const BT_PRIVATE float* m, const BT_PRIVATE float* l, const BT_PRIVATE float* acc,
+    int sub, int slot, int warp, int rank, SplitKBlock block,
+    BT_SHARED_PTR float* warp_m, BT_SHARED_PTR float* warp_l, BT_SHARED_PTR float* warp_acc,
+    BT_GLOBAL float* partial_acc, BT_GLOBAL float* partial_max, BT_GLOBAL float* partial_sum) {
+  if (slot == 0) {
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        warp_acc[(warp * HEADS + h) * D + sub * VEC + i] = acc[h * VEC + i];
+      }
+      if (sub == 0) {
+        warp_m[warp * HEADS + h] = m[h];
+        warp_l[warp * HEADS + h] = l[h];
+      }
+    }
+  }
+  BT_BARRIER;
+  splitk_merge_warps<HEADS, D, WARPS>(rank, block, warp_m, warp_l, warp_acc, partial_acc, partial_max, partial_sum);
+}
+
 """
 
 _MERGE = Kernel(

@@ -10,9 +10,10 @@ from butter_core.kernels import gpu_backend, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
 
 from butter_affine import codec
-from butter_affine.kernels import KERNEL_CHECKS, decode, dequantize, quantize
+from butter_affine import ops
+from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
 from butter_affine.ops import quantized_matmul_decode
-from butter_affine.packing import BUFFERS
+from butter_affine.packing import BUFFERS, PackedFormat
 
 CASES = [
     pytest.param(check, case, id=f"{check.name}-{i}")
@@ -103,7 +104,7 @@ def test_decode_rejects_bad_arguments(bad):
 def test_kernel_bodies_are_one_source_for_both_backends():
     """Each kernel's body and helpers are the same text on Metal and CUDA, with no backend
     switch of their own; only the dialect's preamble and header differ."""
-    for kernel in (quantize._QUANTIZE, dequantize._DEQUANTIZE, decode._PARTIALS):
+    for kernel in (quantize._QUANTIZE, dequantize._DEQUANTIZE, decode._PARTIALS, decode_mma._PARTIALS):
         metal, cuda = kernel.source("metal"), kernel.source("cuda")
         assert metal.endswith(kernel.body) and cuda.endswith(kernel.body)
         assert kernel.header("metal").endswith(kernel.helpers) and kernel.header("cuda").endswith(kernel.helpers)
@@ -116,3 +117,70 @@ def test_decode_uses_the_shared_split_k_pieces():
                           max_heads=decode.MAX_HEADS, min_keys=decode.MIN_KEYS_PER_SPLIT,
                           target_blocks=decode.TARGET_BLOCKS)
     assert (launch.heads, launch.n_splits) == (4, 66)
+
+
+def test_tensor_core_decode_uses_the_shared_pieces():
+    from butter_core.kernels import mma
+
+    helpers = decode_mma._PARTIALS.helpers
+    assert decode_mma._PARTIALS.mma
+    assert split_k.SPLIT_K_HELPERS in helpers and mma.MMA_SPLIT_K_HELPERS in helpers
+
+
+def test_tensor_core_checks_cover_every_supported_format():
+    """A case per bits x head_dim x dtype the kernel takes, GQA groups of one and two
+    column tiles, lengths off the 16-key blocks, splits without keys, and long splits."""
+    check = next(c for c in KERNEL_CHECKS if c.name == "decode_attention_mma")
+    defaults = {"bits": 4, "head_dim": 128, "dtype": mx.bfloat16, "q_heads": 8, "kv_heads": 2}
+    cases = [{**defaults, **case} for case in check.cases]
+    covered = {(c["bits"], c["head_dim"], c["dtype"]) for c in cases}
+    assert covered == {(b, d, t) for b in decode_mma.SUPPORTED_BITS for d in decode_mma.SUPPORTED_HEAD_DIMS
+                       for t in decode_mma.SUPPORTED_DTYPES}
+    groups = {c["q_heads"] // c["kv_heads"] for c in cases}
+    assert {1, 4, 7, 8, 12, 16, 40} <= groups
+    assert any(c["length"] % 16 for c in cases)
+    for c in cases:
+        if "splits" in c:  # some forced split count must leave a split with no key
+            chunk = -(-c["length"] // c["splits"])
+            if chunk * (c["splits"] - 1) >= c["length"]:
+                break
+    else:
+        raise AssertionError("no case has a split without keys")
+    assert any(c.get("splits") == 1 and c["length"] > 16 * decode_mma.WARPS * 20 for c in cases)
+
+
+@pytest.mark.parametrize(
+    ("bits", "head_dim", "dtype", "expected"),
+    [(4, 128, mx.bfloat16, True), (8, 64, mx.float16, True), (8, 256, mx.bfloat16, True),
+     (6, 128, mx.bfloat16, False), (4, 128, mx.float32, False), (4, 96, mx.float16, False)],
+)
+def test_tensor_core_decode_supports(bits, head_dim, dtype, expected):
+    assert decode_mma.supports(PackedFormat(bits, 32, head_dim, dtype), dtype) is expected
+
+
+@pytest.mark.parametrize(
+    ("bits", "dtype", "decode_name"),
+    [(4, mx.bfloat16, "_tensor_core_decode"), (8, mx.float16, "_tensor_core_decode"),
+     (6, mx.bfloat16, "_fused_decode"), (4, mx.float32, "_fused_decode")],
+)
+def test_cuda_ops_choose_the_tensor_core_kernel_where_it_applies(monkeypatch, bits, dtype, decode_name):
+    monkeypatch.setattr(ops, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(ops, "default_device_is_gpu", lambda: True)
+    chosen = ops.select_ops(PackedFormat(bits, 32, 128, dtype))
+    assert chosen.decode is getattr(ops, decode_name)
+
+
+def test_tensor_core_decode_keeps_float32_queries_on_the_float32_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(decode, "decode_attention", lambda *a, **k: calls.append("fused"))
+    monkeypatch.setattr(decode_mma, "decode_attention", lambda *a, **k: calls.append("mma"))
+    buffers = {name: mx.zeros((1, 1, 16, 1), mx.bfloat16) for name in BUFFERS}
+    ops._tensor_core_decode(mx.zeros((1, 1, 1, 128), mx.float32), buffers, 4, 0.1)
+    ops._tensor_core_decode(mx.zeros((1, 1, 1, 128), mx.bfloat16), buffers, 4, 0.1)
+    assert calls == ["fused", "mma"]
+
+
+def test_tensor_core_decode_rejects_formats_it_does_not_take():
+    inputs = decode.make_inputs(0, bits=6, allocated=64, length=10)
+    with pytest.raises(ValueError, match="tensor-core"):
+        decode_mma.decode_attention(**inputs)

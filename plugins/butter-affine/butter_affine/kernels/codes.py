@@ -20,6 +20,29 @@ straddles two words is shifted down. Kernels fold ``affine_weight`` into the que
 Rounding (``bt_rint``: half to even, as ``mx.round`` and MLX's quantizer do) and the
 float bit-cast (``bt_as_float``) come from the dialect, so no line here differs between
 Metal and CUDA.
+
+``MMA_CODE_HELPERS`` (needs ``Kernel(..., mma=True)``) turns 4- and 8-bit code words
+into float16 pairs for the tensor-core decode kernel (``decode_mma``), the magic-number
+way: a code OR-ed into the mantissa of the float16 1024 (0x6400) is the float16
+``1024 + code`` exactly, so a pair of codes, one in each 16-bit half of a word, becomes
+a half2 with one AND-OR (one ``lop3``) or one byte permute; one ``bt_half2_fma`` takes
+off the 1024 exactly (a code in bits 4..7 gives ``1024 + 16 code``: times 1/16 minus 64)
+and a second gives ``code * scale + bias`` rounded once to float16, the nearest float16
+to the float32 reference's value. (Folding the 1024 into the bias, ``(1024 + code) *
+scale + (bias - 1024 scale)``, would save that instruction but round ``bias - 1024
+scale`` to float16 first: an error up to half a quantization step, and overflow once
+``scale`` >= 64.)
+
+- ``AffineKPerm<BITS>``: the order ``affine_key_pairs`` emits a key's dimensions in, as
+  ``butter_core.kernels.mma`` wants it (``lo(r)``, ``hi(r)``: the two dimensions of pair
+  ``r``, relative to the lane's run of words).
+- ``affine_key_pairs<BITS>(word, scale2, bias2, out)``: one word of one key as
+  ``32 / BITS / 2`` half2 (4 at 4 bits: dims (0,4), (1,5), (2,6), (3,7) of the word;
+  2 at 8 bits: (0,2), (1,3)); ``scale2``/``bias2`` hold the key's group's scale/bias
+  in both halves.
+- ``affine_value_pairs<BITS>(word_a, word_b, scale2, bias2, out)``: the same word of two
+  keys, interleaved: ``out[i]`` = (key a, key b) at dimension ``i`` of the word (8 at 4
+  bits, 4 at 8); ``scale2``/``bias2`` = (key a's, key b's).
 """
 
 CODE_HELPERS = r"""
@@ -78,6 +101,70 @@ BT_FUNC void affine_unpack(const BT_PRIVATE uint32_t* words, BT_PRIVATE float* o
       field = words[word] & (MASK << off);
     }
     out[i] = bt_as_float(field | 0x4B000000u) - 8388608.0f;
+  }
+}
+"""
+
+MMA_CODE_HELPERS = r"""
+// ---- butter-affine: code words -> float16 pairs for tensor cores -----------------
+#define AFFINE_MAGIC2 0x64006400u       // float16 1024 in both halves
+#define AFFINE_MAGIC_BYTES 0x64646464u  // its high byte, four times (for byte permutes)
+#define AFFINE_ONE2 0x3C003C00u         // 1.0
+#define AFFINE_NEG1024_2 0xE400E400u    // -1024.0
+#define AFFINE_SIXTEENTH2 0x2C002C00u   // 0.0625
+#define AFFINE_NEG64_2 0xD400D400u      // -64.0
+
+template <int BITS> struct AffineKPerm;
+template <> struct AffineKPerm<4> {
+  static BT_FUNC constexpr int lo(int r) { return 8 * (r / 4) + r % 4; }
+  static BT_FUNC constexpr int hi(int r) { return 8 * (r / 4) + r % 4 + 4; }
+};
+template <> struct AffineKPerm<8> {
+  static BT_FUNC constexpr int lo(int r) { return 4 * (r / 2) + r % 2; }
+  static BT_FUNC constexpr int hi(int r) { return 4 * (r / 2) + r % 2 + 2; }
+};
+
+// Codes at bits 0..3 (or 0..7) of each half, as 1024 + code: to code * scale + bias.
+BT_FUNC uint32_t affine_scale_low(uint32_t magic, uint32_t scale2, uint32_t bias2) {
+  return bt_half2_fma(bt_half2_fma(magic, AFFINE_ONE2, AFFINE_NEG1024_2), scale2, bias2);
+}
+// Codes at bits 4..7 of each half, as 1024 + 16 code.
+BT_FUNC uint32_t affine_scale_high(uint32_t magic, uint32_t scale2, uint32_t bias2) {
+  return bt_half2_fma(bt_half2_fma(magic, AFFINE_SIXTEENTH2, AFFINE_NEG64_2), scale2, bias2);
+}
+
+// Four 4-bit codes in each half of x (the half-words' nibbles 0..3): out[0..3].
+BT_FUNC void affine_nibble_pairs(uint32_t x, uint32_t scale2, uint32_t bias2, BT_PRIVATE uint32_t* out) {
+  const uint32_t x8 = x >> 8;
+  out[0] = affine_scale_low((x & 0x000F000Fu) | AFFINE_MAGIC2, scale2, bias2);
+  out[1] = affine_scale_high((x & 0x00F000F0u) | AFFINE_MAGIC2, scale2, bias2);
+  out[2] = affine_scale_low((x8 & 0x000F000Fu) | AFFINE_MAGIC2, scale2, bias2);
+  out[3] = affine_scale_high((x8 & 0x00F000F0u) | AFFINE_MAGIC2, scale2, bias2);
+}
+
+template <int BITS>
+BT_FUNC void affine_key_pairs(uint32_t word, uint32_t scale2, uint32_t bias2, BT_PRIVATE uint32_t* out) {
+  if (BITS == 4) {  // half-words hold codes 0..3 and 4..7: pairs (0,4), (1,5), (2,6), (3,7)
+    affine_nibble_pairs(word, scale2, bias2, out);
+  } else {          // bytes 0 and 2, then 1 and 3
+    out[0] = affine_scale_low(bt_byte_perm(word, AFFINE_MAGIC_BYTES, 0x4240u), scale2, bias2);
+    out[1] = affine_scale_low(bt_byte_perm(word, AFFINE_MAGIC_BYTES, 0x4341u), scale2, bias2);
+  }
+}
+
+template <int BITS>
+BT_FUNC void affine_value_pairs(uint32_t word_a, uint32_t word_b, uint32_t scale2, uint32_t bias2,
+                                BT_PRIVATE uint32_t* out) {
+  const uint32_t low = bt_byte_perm(word_a, word_b, 0x5410u);   // a's bytes 0, 1 | b's bytes 0, 1
+  const uint32_t high = bt_byte_perm(word_a, word_b, 0x7632u);  // a's bytes 2, 3 | b's bytes 2, 3
+  if (BITS == 4) {
+    affine_nibble_pairs(low, scale2, bias2, out);
+    affine_nibble_pairs(high, scale2, bias2, out + 4);
+  } else {
+    out[0] = affine_scale_low(bt_byte_perm(low, AFFINE_MAGIC_BYTES, 0x4240u), scale2, bias2);
+    out[1] = affine_scale_low(bt_byte_perm(low, AFFINE_MAGIC_BYTES, 0x4341u), scale2, bias2);
+    out[2] = affine_scale_low(bt_byte_perm(high, AFFINE_MAGIC_BYTES, 0x4240u), scale2, bias2);
+    out[3] = affine_scale_low(bt_byte_perm(high, AFFINE_MAGIC_BYTES, 0x4341u), scale2, bias2);
   }
 }
 """

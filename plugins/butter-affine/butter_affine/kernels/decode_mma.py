@@ -1,0 +1,335 @@
+"""``decode_attention``: one query token over packed 4- or 8-bit K/V, on tensor cores.
+
+The same split-K flash-decoding as ``decode`` (partials per split of the live keys,
+then ``butter_core.kernels.split_k``'s merge kernel; the same ``plan`` and partials
+format), but each warp computes its scores and its value sums as matrix products
+(``bt_mma_16x8x16``: float16 inputs, float32 sums) in the transposed layout that
+``butter_core.kernels.mma`` describes: per block of 16 keys,
+
+    Sᵀ[16 keys, heads]  = K[16 keys, D] · Qᵀ             (D / 16 products)
+    Oᵀ[16 dims, heads] += Vᵀ[16 dims, 16 keys] · Pᵀ      (D / 16 products)
+
+with the query heads of one KV head as the 8 columns (16 with two column tiles).
+Codes become float16 keys and values in registers (``codes.MMA_CODE_HELPERS``: a
+magic-number AND-OR or byte permute per pair of codes, then two half2 FMAs: subtract the
+magic 1024 exactly, then ``code * scale + bias`` rounded once); no dequantized key or
+value is ever stored. Each lane reads whole runs of code words: for the scores, the
+lane's two keys (rows g and g+8 of the block), dimensions ``[q D/4, (q+1) D/4)`` (one
+16-byte load per key at 4 bits and D = 128, within one group, so one scale and bias per
+key); for the values, four keys (2q, 2q+1, 2q+8, 2q+9), dimensions ``[g D/8, (g+1)
+D/8)``, two keys' words interleaved by byte permutes so a half2 holds one dimension of
+two keys. The permutation of dimensions this implies is folded into the query fragments
+(``AffineKPerm``) and undone when the partials are written.
+
+Supported: 4 or 8 bits; head_dim 64, 128 or 256; group sizes 32, 64, 128; float16 or
+bfloat16 queries and scales (float32 and 6-bit codes use ``decode``); any GQA group
+(``HEADS``, a divisor of it up to ``mma.max_heads``, per threadgroup).
+
+Precision: queries (times softmax scale * log2 e), keys, values and probabilities are
+rounded to float16 once each; everything else is float32. Dequantized values must fit
+float16 (|x| < 65504); scales below 2^-14 (6.1e-5) lose relative precision as float16
+subnormals.
+
+Speed, measured on the H200 (``bench/gpu_affine.py``, MLX 0.32.4, bf16, batch 1, 32/8
+heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, affine4 79.9 µs with the
+first defaults against 133.6 µs for MLX's SDPA on raw bf16 (0.60x) and 157.3 µs for
+``decode`` (0.51x); affine8 89.5 µs (0.67x raw). The sweep in the same run picked the
+defaults below (``KEY_BLOCKS=2``, no prefetch, 396 threadgroups): affine4 73.2 µs
+(0.55x raw, 2.3 TB/s), affine8 83.5 µs. At 4k and 32k it is within 0-12% of raw SDPA's
+time. Counted in the sm_90a PTX (nvcc 13.0; 4 bits, 4 heads), a lane spends ~350
+instructions per 16 keys where ``decode`` spends ~850; 128 registers, no spills
+(``decode``: 255).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from butter_core.kernels import Kernel, mma, split_k
+
+from butter_affine.kernels.codes import CODE_HELPERS, MMA_CODE_HELPERS
+from butter_affine.kernels.decode import _check_args, decode_attention_reference, make_inputs
+from butter_affine.packing import BUFFERS, PackedFormat
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16)
+
+# Launch shape; the bench retimes alternatives (module attributes, read per call).
+WARPS = 4
+KEY_BLOCKS = 2
+"""Blocks of 16 keys a warp takes per step of its loop."""
+PREFETCH = False
+"""Load a step's keys during the previous step's softmax and value product (its values
+are always loaded at the top of the step, ahead of its score product); without it, both
+at the top of the step."""
+MIN_KEYS_PER_SPLIT = 64
+TARGET_BLOCKS = 396
+"""Threadgroups the split count aims at (H200: 132 multiprocessors, 3 per multiprocessor;
+the sweep measured 396 ahead of 528 and 1584)."""
+
+_PARTIALS = Kernel(
+    name="butter_affine_decode_mma_partials",
+    input_names=("queries", *BUFFERS, "length", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    mma=True,
+    helpers=CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + r"""
+// A warp step's loads, lane (g, q). Keys: for key block b, keys 16 b + g + 8 r (r < 2)
+// for the scores, KW words from word q KW of the row, KG groups. Values: keys 16 b + 2q +
+// (v % 2) + 8 (v / 2) (v < 4), VW words from word g VW, one group. CLAMP: rows past last
+// read row last instead (only the last step of a split needs it), so every value read is
+// a live one; without, row offsets are constants the loads take as immediates.
+template <bool CLAMP, int KB, int KW, int KG, int ROW_WORDS, int GROUPS, typename S>
+BT_FUNC void affine_mma_fetch_keys(
+    const BT_GLOBAL uint32_t* codes, const BT_GLOBAL S* scales, const BT_GLOBAL S* biases,
+    int base, int last, int g, BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
+  const int64_t first = base + g;
+#pragma unroll
+  for (int k = 0; k < KB * 2; ++k) {
+    const int offset = 16 * (k / 2) + 8 * (k % 2);
+    const int64_t row = CLAMP ? (base + g + offset < last ? base + g + offset : last) : first + offset;
+    affine_load_words<KW>(codes + row * ROW_WORDS, words + k * KW);
+#pragma unroll
+    for (int i = 0; i < KG; ++i) {
+      s[k * KG + i] = scales[row * GROUPS + i];
+      b[k * KG + i] = biases[row * GROUPS + i];
+    }
+  }
+}
+
+template <bool CLAMP, int KB, int VW, int ROW_WORDS, int GROUPS, typename S>
+BT_FUNC void affine_mma_fetch_values(
+    const BT_GLOBAL uint32_t* codes, const BT_GLOBAL S* scales, const BT_GLOBAL S* biases,
+    int base, int last, int q, BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
+  const int64_t first = base + 2 * q;
+#pragma unroll
+  for (int k = 0; k < KB * 4; ++k) {
+    const int offset = 16 * (k / 4) + (k % 2) + 8 * ((k % 4) / 2);
+    const int64_t row = CLAMP ? (base + 2 * q + offset < last ? base + 2 * q + offset : last) : first + offset;
+    affine_load_words<VW>(codes + row * ROW_WORDS, words + k * VW);
+    s[k] = scales[row * GROUPS];
+    b[k] = biases[row * GROUPS];
+  }
+}
+""",
+    body=r"""
+  // One threadgroup: one (batch, KV head, HEADS query heads) and one split of the live
+  // keys. Warp w takes key blocks w, w + WARPS, ... (KB blocks of 16 keys per step).
+  constexpr int NH = (HEADS + 7) / 8;             // column tiles of 8 query heads
+  constexpr int KCHUNK = D / 4;                   // dims of a key a lane holds for the scores
+  constexpr int KW = KCHUNK * BITS / 32;
+  constexpr int KG = KCHUNK > GROUP ? KCHUNK / GROUP : 1;
+  constexpr int VCHUNK = D / 8;                   // dims of a key a lane holds for the values
+  constexpr int VW = VCHUNK * BITS / 32;
+  constexpr int ROW_WORDS = D * BITS / 32;
+  constexpr int GROUPS = D / GROUP;
+  constexpr int STEPS = D / 16;                   // k16 steps of a score product
+  constexpr int DT = D / 16;                      // dimension tiles of the value product
+  constexpr int KEYS = 16 * KB;
+  constexpr int PAIRS = 32 / BITS / 2;            // half2 per key word
+  constexpr int VPAIRS = 32 / BITS;               // half2 per value word pair
+
+  const SplitKBlock block = splitk_block<HEADS>(
+      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], length[0]);
+  const int g = lane_id / 4;
+  const int q = lane_id % 4;
+  const int allocated = key_codes_shape[2];
+  const int64_t first_row = static_cast<int64_t>(block.batch_kv_head) * allocated;
+  const int64_t k_words = first_row * ROW_WORDS + q * KW;
+  const int64_t k_groups = first_row * GROUPS + (q * KCHUNK) / GROUP;
+  const int64_t v_words = first_row * ROW_WORDS + g * VW;
+  const int64_t v_groups = first_row * GROUPS + (g * VCHUNK) / GROUP;
+
+  uint32_t qb[NH * STEPS * 2];
+  mma_query_fragments<AffineKPerm<BITS>, NH, D, T>(
+      queries + static_cast<int64_t>(block.first_q_head) * D, HEADS, scale[0] * 1.4426950408889634f, lane_id, qb);
+
+  float m[NH * 2];
+  float l[NH * 2];
+  float o[DT * NH * 4];
+#pragma unroll
+  for (int i = 0; i < NH * 2; ++i) {
+    m[i] = BT_NEG_INF;
+    l[i] = 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < DT * NH * 4; ++i) {
+    o[i] = 0.0f;
+  }
+
+  // The loads of one step (rows clamped only where the step runs past the split's end).
+#define AFFINE_MMA_FETCH_KEYS(at)                                                              \
+  if ((at) + KEYS <= end) {                                                                    \
+    affine_mma_fetch_keys<false, KB, KW, KG, ROW_WORDS, GROUPS, S>(                            \
+        key_codes + k_words, key_scales + k_groups, key_biases + k_groups, at, last, g, kw, ks, kb); \
+  } else {                                                                                     \
+    affine_mma_fetch_keys<true, KB, KW, KG, ROW_WORDS, GROUPS, S>(                             \
+        key_codes + k_words, key_scales + k_groups, key_biases + k_groups, at, last, g, kw, ks, kb); \
+  }
+#define AFFINE_MMA_FETCH_VALUES(at)                                                            \
+  if ((at) + KEYS <= end) {                                                                    \
+    affine_mma_fetch_values<false, KB, VW, ROW_WORDS, GROUPS, S>(                              \
+        value_codes + v_words, value_scales + v_groups, value_biases + v_groups, at, last, q, vw, vs, vb); \
+  } else {                                                                                     \
+    affine_mma_fetch_values<true, KB, VW, ROW_WORDS, GROUPS, S>(                               \
+        value_codes + v_words, value_scales + v_groups, value_biases + v_groups, at, last, q, vw, vs, vb); \
+  }
+  uint32_t kw[KB * 2 * KW], vw[KB * 4 * VW];
+  S ks[KB * 2 * KG], kb[KB * 2 * KG], vs[KB * 4], vb[KB * 4];
+  const int end = block.end;
+  const int last = end - 1;
+  int base = block.start + static_cast<int>(warp_id) * KEYS;
+  // With PREFETCH, a step's keys are loaded during the previous step's value product and
+  // its values during its own score product (one buffer each, no copies); without, both
+  // at the top of the step.
+  if (PREFETCH && base < end) {
+    AFFINE_MMA_FETCH_KEYS(base)
+  }
+  for (; base < end; base += WARPS * KEYS) {  // uniform across the warp
+    if (!PREFETCH) {
+      AFFINE_MMA_FETCH_KEYS(base)
+    }
+    AFFINE_MMA_FETCH_VALUES(base)
+
+    // Scores: Sᵀ = K Qᵀ, one 16-key block at a time.
+    float s[KB * NH * 4];
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+#pragma unroll
+      for (int i = 0; i < NH * 4; ++i) s[b * NH * 4 + i] = 0.0f;
+      uint32_t scale2[2 * KG], bias2[2 * KG];  // keys g, g + 8: each group's (scale, scale), (bias, bias)
+#pragma unroll
+      for (int i = 0; i < 2 * KG; ++i) {
+        const float sc = bt_to_float(ks[b * 2 * KG + i]);
+        const float bi = bt_to_float(kb[b * 2 * KG + i]);
+        scale2[i] = bt_pack_half2(sc, sc);
+        bias2[i] = bt_pack_half2(bi, bi);
+      }
+#pragma unroll
+      for (int w = 0; w < KW; ++w) {
+        const int grp = (w * (32 / BITS)) / GROUP;  // this word's group within the lane's chunk
+        uint32_t upper[PAIRS], lower[PAIRS];         // keys g and g + 8
+        affine_key_pairs<BITS>(kw[(b * 2) * KW + w], scale2[grp], bias2[grp], upper);
+        affine_key_pairs<BITS>(kw[(b * 2 + 1) * KW + w], scale2[KG + grp], bias2[KG + grp], lower);
+#pragma unroll
+        for (int h = 0; h < PAIRS / 2; ++h) {  // k16 step w * PAIRS / 2 + h: pairs 2 step, 2 step + 1
+          const int step = w * (PAIRS / 2) + h;
+          const uint32_t a[4] = {upper[2 * h], lower[2 * h], upper[2 * h + 1], lower[2 * h + 1]};
+#pragma unroll
+          for (int nh = 0; nh < NH; ++nh) {
+            bt_mma_16x8x16(s + (b * NH + nh) * 4, a, qb + (nh * STEPS + step) * 2, lane_id);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (base + 16 * b + g + 8 * r >= end) {
+#pragma unroll
+          for (int nh = 0; nh < NH; ++nh) {
+            s[(b * NH + nh) * 4 + 2 * r] = BT_NEG_INF;
+            s[(b * NH + nh) * 4 + 2 * r + 1] = BT_NEG_INF;
+          }
+        }
+      }
+    }
+
+    if (PREFETCH && base + WARPS * KEYS < end) {  // the next step's keys, during this step's softmax and values
+      AFFINE_MMA_FETCH_KEYS(base + WARPS * KEYS)
+    }
+    uint32_t pb[KB * NH * 2];
+    mma_softmax<NH, KB, DT>(s, m, l, o, pb, lane_id);
+
+    // Values: Oᵀ += Vᵀ Pᵀ. Dimension tile t holds dims 2t, 2t+1 of the lane's chunk.
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+      const uint32_t s01 = bt_pack_half2(bt_to_float(vs[b * 4]), bt_to_float(vs[b * 4 + 1]));
+      const uint32_t b01 = bt_pack_half2(bt_to_float(vb[b * 4]), bt_to_float(vb[b * 4 + 1]));
+      const uint32_t s89 = bt_pack_half2(bt_to_float(vs[b * 4 + 2]), bt_to_float(vs[b * 4 + 3]));
+      const uint32_t b89 = bt_pack_half2(bt_to_float(vb[b * 4 + 2]), bt_to_float(vb[b * 4 + 3]));
+#pragma unroll
+      for (int w = 0; w < VW; ++w) {
+        uint32_t near[VPAIRS], far[VPAIRS];  // keys (2q, 2q+1) and (2q+8, 2q+9), per dim of the word
+        affine_value_pairs<BITS>(vw[(b * 4) * VW + w], vw[(b * 4 + 1) * VW + w], s01, b01, near);
+        affine_value_pairs<BITS>(vw[(b * 4 + 2) * VW + w], vw[(b * 4 + 3) * VW + w], s89, b89, far);
+#pragma unroll
+        for (int u = 0; u < VPAIRS / 2; ++u) {
+          const int t = w * (VPAIRS / 2) + u;
+          const uint32_t a[4] = {near[2 * u], near[2 * u + 1], far[2 * u], far[2 * u + 1]};
+#pragma unroll
+          for (int nh = 0; nh < NH; ++nh) {
+            bt_mma_16x8x16(o + (t * NH + nh) * 4, a, pb + (b * NH + nh) * 2, lane_id);
+          }
+        }
+      }
+    }
+  }
+
+  BT_SHARED float warp_m[WARPS * HEADS];
+  BT_SHARED float warp_l[WARPS * HEADS];
+  BT_SHARED float warp_acc[WARPS * HEADS * D];
+  mma_write_partials<HEADS, NH, D, WARPS>(
+      m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
+      partial_acc, partial_max, partial_sum);
+""",
+)
+
+
+def decode_attention(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, length: int, scale: float, splits: int | None = None,
+) -> mx.array:
+    """Attention of one query token over the first ``length`` slots of packed K/V buffers,
+    on tensor cores; arguments and result as ``decode.decode_attention`` (``supports``
+    says which formats). ``splits`` forces the number of key splits (tests use it to
+    make splits that see no key); by default ``split_k.num_splits`` chooses."""
+    fmt = _check_args(queries, key_codes, key_scales, value_codes, length)
+    if not supports(fmt, queries.dtype):
+        raise ValueError(f"the tensor-core decode kernel does not handle {fmt} with {queries.dtype} queries")
+    batch, q_heads, _, dims = queries.shape
+    launch = split_k.plan(
+        batch=batch, q_heads=q_heads, kv_heads=key_codes.shape[1], dims=dims, length=length, warps=WARPS,
+        max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
+    )
+    if splits is not None:
+        launch = split_k.SplitKLaunch(
+            heads=launch.heads, n_splits=splits, grid=(launch.grid[0], splits, 1), threadgroup=launch.threadgroup,
+            output_shapes=split_k.partial_shapes(batch, q_heads, splits, dims),
+        )
+    partials = _PARTIALS(
+        inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
+                mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
+        template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
+                  ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
+                  ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH)],
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=launch.output_shapes,
+        output_dtypes=launch.output_dtypes,
+    )
+    return split_k.merge_partials(*partials, queries.dtype)
+
+
+def decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:
+    """``decode.decode_attention_reference``, taking (and ignoring) ``splits``."""
+    return decode_attention_reference(*args, **kwargs)
+
+
+def make_check_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
+    """``decode.make_inputs``, plus ``splits`` when given."""
+    inputs = make_inputs(seed, **sizes)
+    if splits is not None:
+        inputs["splits"] = splits
+    return inputs
+
+
+def supports(fmt: PackedFormat, queries_dtype: mx.Dtype) -> bool:
+    """Whether this kernel handles this format and query dtype."""
+    return (fmt.bits in SUPPORTED_BITS and fmt.head_dim in SUPPORTED_HEAD_DIMS
+            and queries_dtype in SUPPORTED_DTYPES and fmt.dtype in SUPPORTED_DTYPES)
+
+
+def available() -> bool:
+    """Whether the kernel can run here."""
+    return _PARTIALS.available()
