@@ -6,12 +6,14 @@
 - ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
 - ``split_k``: the split-K (flash-decoding) helpers, launch plan and merge kernel that
   every fused single-query attention kernel shares.
+- ``mma``: the fragment bookkeeping of tensor-core split-K decode kernels (query
+  fragments, online softmax, partials), on the dialect's ``bt_mma_16x8x16``.
 """
 
 from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend
 from butter_core.kernels.checks import CheckResult, KernelCheck, relative_error
 from butter_core.kernels.kernel import Kernel, KernelUnavailableError, poisoned_outputs
-from butter_core.kernels import split_k
+from butter_core.kernels import mma, split_k
 
 __all__ = [
     "Backend",
@@ -21,6 +23,7 @@ __all__ = [
     "KernelUnavailableError",
     "default_device_is_gpu",
     "gpu_backend",
+    "mma",
     "poisoned_outputs",
     "relative_error",
     "split_k",
