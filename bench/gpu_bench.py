@@ -59,13 +59,23 @@ QWEN3_1_7B = {
 
 
 def amortised_us(fn, calls: int, repeats: int = 5) -> float:
-    """Median over ``repeats`` of (``calls`` calls evaluated together) / ``calls``, in µs."""
+    """Median over ``repeats`` of (evaluating ``calls`` calls together) / ``calls``, in µs.
+
+    Only the evaluation is timed: the calls' graphs are built first. Building a custom
+    kernel's call costs tens of µs of host time in MLX, which in a decode loop overlaps
+    the previous step's GPU work; counted here it would hide the kernels' own time (it
+    did, in the first version of this script). The end-to-end section reports host time.
+    """
     mx.eval(fn())
     times = []
     for _ in range(repeats):
+        outs = [fn() for _ in range(calls)]
+        mx.synchronize()
         start = time.perf_counter()
-        mx.eval([fn() for _ in range(calls)])
+        mx.eval(outs)
+        mx.synchronize()
         times.append((time.perf_counter() - start) / calls)
+        del outs
     return sorted(times)[len(times) // 2] * 1e6
 
 
