@@ -1,27 +1,32 @@
-"""butter-aura kernels on the GPU: correctness against the pure-mx references, then timings.
+"""butter-aura kernels on the GPU: every kernel check first, then timings, in one run.
 
 Run on a machine with a GPU backend (the lent H200, or Apple silicon), from the repo root:
 
     PYTHONPATH=.:plugins/butter-aura python bench/gpu_aura.py        # or with butter-aura installed
 
-1. **checks at the timed shapes** — ``decode_attention`` for every scheme at 4k and
-   aura4v2 at 32k/128k, ``encode`` of 1 and 512 tokens, ``dequantize`` of 4k slots:
-   relative error ‖out − ref‖/‖ref‖ on fresh random data against the pure-mx reference
-   (run on the CPU), the kernel's outputs poisoned with NaN so an unwritten element fails.
+1. **checks** — every ``KERNEL_CHECKS`` case (``encode``; ``decode_attention``, which
+   picks the tensor-core partials kernel wherever it serves; ``decode_attention_mma``,
+   every configuration that kernel serves; ``dequantize``), then the same kernels at the
+   timed shapes: ``decode_attention`` for every scheme at 4k and aura4v2 at 32k/128k,
+   through the tensor-core kernel and through the SIMT kernel, ``encode`` of 1 and 512
+   tokens, ``dequantize`` of 4k slots. Relative error ‖out − ref‖/‖ref‖ on fresh random
+   data against the pure-mx reference (run on the CPU), the kernel's outputs poisoned
+   with NaN so an unwritten element fails. Prints one line per case and a summary.
 2. **decode attention** — amortised time (50 calls evaluated together, divided by 50;
    median of 5) at batch 1, 32 query heads, 8 KV heads, head_dim 128, bf16, contexts
-   4k/32k/128k: AURA's compressed-domain decode (partials + merge kernels) for each
-   scheme, against ``mx.fast.scaled_dot_product_attention`` on raw bf16 K/V and against
-   the ``mx.quantized_matmul`` route over affine4 g64 K/V (mlx-lm's quantized cache).
+   4k/32k/128k: AURA's compressed-domain decode with the tensor-core partials kernel
+   (``mma``) and with the SIMT one (``simt``, which still serves float32 queries, 3-bit
+   codes and per-group scales), each + AURA's merge kernel, for every scheme; against
+   ``mx.fast.scaled_dot_product_attention`` on raw bf16 K/V and against the
+   ``mx.quantized_matmul`` route over affine4 g64 K/V (mlx-lm's quantized cache).
    Bytes read are the live slots' codes, scales and full-precision rows (the floor any
    kernel must read); TB/s is bytes / time. Consecutive calls read different copies of
    the cache when one copy would fit in L2, as the layers of a decode step do.
 3. **other kernels** — a one-token ``encode`` (the append of a decode step) and
    ``dequantize`` of 4k slots (the prefill path).
-4. **all kernel checks** — every ``KERNEL_CHECKS`` case (many templates, so many
-   compiles), as time allows.
-5. **tunables** — aura4v2 at 128k with each of ``LANES``/``WARPS``/``TILE`` changed, as
-   time allows.
+4. **tunables** — aura4v2 at 128k through the tensor-core kernel with ``blocks`` (16-key
+   blocks per warp step), ``warps`` or ``min_keys`` (per split) changed, while the time
+   budget lasts.
 
 Every section runs in its own try/except, so one failure cannot hide the others
 (``--sections`` runs a subset, should a crash of the process itself need working
@@ -49,7 +54,8 @@ import butter_core  # noqa: E402,F401 - first (loads the CPU BLAS before MLX)
 import mlx.core as mx  # noqa: E402
 
 from butter_core import Aura  # noqa: E402
-from butter_core.kernels import gpu_backend  # noqa: E402
+from butter_core.kernels import KernelCheck, gpu_backend  # noqa: E402
+from butter_aura import reference  # noqa: E402
 from butter_aura.kernels import KERNEL_CHECKS, attention, checks, dequantize, encode  # noqa: E402
 from butter_aura.layout import codecs  # noqa: E402
 
@@ -61,9 +67,10 @@ SCHEMES = ("aura4v2", "aura4v4", "aura8v4", "aura8v8")
 L2_DEFEAT_BYTES = 256 * 2**20
 MAX_COPIES = 32
 GOAL = 0.35
-TUNABLES = ({"lanes": 16}, {"warps": 8}, {"warps": 2}, {"tile": 2}, {"tile": 8})
-TIME_BUDGET_S = 160.0
-"""Sections 4 and 5 stop starting new work after this many seconds (the run must stay under 3 min)."""
+METHODS = ("mma", "simt")
+TUNABLES = ({"blocks": 1}, {"warps": 8}, {"min_keys": 64}, {"min_keys": 512})
+TIME_BUDGET_S = 420.0
+"""The tunables stop starting new work after this many seconds (a GPU command may run 10 min)."""
 START = time.perf_counter()
 
 
@@ -120,20 +127,38 @@ def check_row(check, case: dict, seed: int) -> dict:
         row.update(passed=False, error=traceback.format_exc(limit=4))
     status = "ok  " if row["passed"] else "FAIL"
     detail = f"rel err {row['relative_error']:.2e} (tol {row['tolerance']:.0e})" if "relative_error" in row else row["error"]
-    print(f"{status} {check.name:16s} {row['case']}  {detail}", flush=True)
+    print(f"{status} {check.name:22s} {row['case']}  {detail}", flush=True)
     return row
 
 
+def _simt_decode_attention(queries, stored, scale):
+    return attention.decode_attention(queries, stored, scale, method="simt")
+
+
+SIMT_CHECK = KernelCheck(
+    name="decode_attention[simt]",
+    kernel=_simt_decode_attention,
+    reference=reference.decode_attention,
+    make_inputs=checks.make_stored,
+    cases=(),
+    rtol=checks.ATTENTION_RTOL,
+)
+"""The SIMT partials kernel at the timed shapes (``decode_attention`` picks the tensor-core one there)."""
+
+
 def timed_shape_cases() -> list:
-    """decode_attention for every scheme at 4k and aura4v2 at 32k/128k; encode and dequantize at the bench shapes."""
+    """decode_attention (tensor cores) for every scheme at 4k and aura4v2 at 32k/128k, the
+    SIMT kernel for aura4v2 at every context; encode and dequantize at the bench shapes."""
     by_name = {c.name: c for c in KERNEL_CHECKS}
     cases = []
     for name in SCHEMES:
         kind = Aura.named(name)
         for length in CONTEXTS if name == "aura4v2" else CONTEXTS[:1]:
-            cases.append((by_name["decode_attention"], dict(
-                q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, allocated=length + 256, length=length,
-                dtype=DTYPE, key_bits=kind.key_bits, value_bits=kind.value_bits, encoded=False)))
+            kernels = (by_name["decode_attention"], SIMT_CHECK) if name == "aura4v2" else (by_name["decode_attention"],)
+            for check in kernels:
+                cases.append((check, dict(
+                    q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, allocated=length + 256, length=length,
+                    dtype=DTYPE, key_bits=kind.key_bits, value_bits=kind.value_bits, encoded=False)))
     cases.append((by_name["encode"], dict(kv_heads=KV_HEADS, tokens=1, head_dim=HEAD_DIM, dtype=DTYPE)))
     cases.append((by_name["encode"], dict(kv_heads=KV_HEADS, tokens=512, head_dim=HEAD_DIM, dtype=DTYPE)))
     cases.append((by_name["dequantize"], dict(kv_heads=KV_HEADS, length=4096, allocated=4352, head_dim=HEAD_DIM,
@@ -141,23 +166,15 @@ def timed_shape_cases() -> list:
     return cases
 
 
-def run_timed_shape_checks() -> list[dict]:
-    rows = [check_row(check, case, seed) for seed, (check, case) in enumerate(timed_shape_cases())]
-    print(f"checks at the timed shapes: {sum(r['passed'] for r in rows)}/{len(rows)} passed")
-    return rows
-
-
-def run_all_checks() -> list[dict]:
-    """Every KERNEL_CHECKS case (each new template compiles, 1.5-5 s): stops at the time budget."""
-    rows, skipped = [], []
-    for seed, (check, case) in enumerate((c, case) for c in KERNEL_CHECKS for case in c.cases):
-        if elapsed() > TIME_BUDGET_S:
-            skipped.append(f"{check.name} {case}")
-            continue
-        rows.append(check_row(check, case, seed))
-    print(f"KERNEL_CHECKS: {sum(r['passed'] for r in rows)}/{len(rows)} passed"
-          + (f"; {len(skipped)} skipped past the time budget: {skipped}" if skipped else ""))
-    return rows
+def run_checks() -> dict:
+    """Every KERNEL_CHECKS case (each new template compiles, 1.5-5 s), then the timed shapes."""
+    every = [check_row(check, case, seed) for seed, (check, case) in
+             enumerate((c, case) for c in KERNEL_CHECKS for case in c.cases)]
+    timed = [check_row(check, case, 100 + seed) for seed, (check, case) in enumerate(timed_shape_cases())]
+    failed = [f"{r['kernel']} {r['case']}" for r in every + timed if not r["passed"]]
+    print(f"\nKERNEL_CHECKS: {sum(r['passed'] for r in every)}/{len(every)} passed; at the timed shapes: "
+          f"{sum(r['passed'] for r in timed)}/{len(timed)} passed" + (f"; FAILED: {failed}" if failed else ""))
+    return {"kernel_checks": every, "timed_shapes": timed}
 
 
 # -- 2. decode attention -----------------------------------------------------------------
@@ -175,11 +192,11 @@ def aura_inputs(name: str, length: int, seed: int) -> dict:
     return inputs
 
 
-def time_aura(name: str, length: int, **tunables) -> dict:
+def time_aura(name: str, length: int, method: str = "mma", **tunables) -> dict:
     first = aura_inputs(name, length, 0)
     nbytes = stored_bytes(first["stored"])
     copies = [first] + [aura_inputs(name, length, i) for i in range(1, copies_for(nbytes))]
-    us = amortised_us(lambda i: attention.decode_attention(**copies[i % len(copies)], **tunables))
+    us = amortised_us(lambda i: attention.decode_attention(**copies[i % len(copies)], method=method, **tunables))
     return {"us": us, "bytes": nbytes, "tbps": nbytes / us / 1e6, "copies": len(copies)}
 
 
@@ -244,8 +261,9 @@ def run_decode_timings() -> list[dict]:
 
     for length in CONTEXTS:
         measure("raw sdpa", length, lambda: time_raw_sdpa(length))
-        for name in SCHEMES:
-            measure(name, length, lambda: time_aura(name, length))
+        for method in METHODS:
+            for name in SCHEMES:
+                measure(f"{name} {method}", length, lambda: time_aura(name, length, method))
     # Last: MLX 0.32.4's CUDA quantized_matmul has crashed a process before (8-bit codes,
     # docs/benchmarks.md); 4-bit ran, but nothing after it should depend on that.
     for length in CONTEXTS:
@@ -268,15 +286,16 @@ def print_decode_table(rows: list[dict]) -> None:
         speedup = f"{qmm[r['context']] / r['us']:.1f}x" if qmm.get(r["context"]) else "-"
         print(f"| {r['method']} | {r['context'] // 1024}k | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['tbps']:.2f} | "
               f"{ratio} | {speedup} |")
-    goal = next((r for r in rows if r["method"] == "aura4v2" and r["context"] == CONTEXTS[-1] and "us" in r), None)
+    goal = next((r for r in rows if r["method"] == "aura4v2 mma" and r["context"] == CONTEXTS[-1] and "us" in r), None)
     if goal and raw.get(CONTEXTS[-1]):
         ratio = goal["us"] / raw[CONTEXTS[-1]]
-        print(f"\ngoal: aura4v2 at 128k = {ratio:.2f}x raw SDPA (goal <= {GOAL}x): {'MET' if ratio <= GOAL else 'MISSED'}")
+        print(f"\ngoal: aura4v2 (tensor cores) at 128k = {ratio:.2f}x raw SDPA (goal <= {GOAL}x): "
+              f"{'MET' if ratio <= GOAL else 'MISSED'}")
         if qmm.get(CONTEXTS[-1]):
             print(f"goal: >= 20x faster than quantized_matmul: {qmm[CONTEXTS[-1]] / goal['us']:.1f}x")
 
 
-# -- 3. tunables -------------------------------------------------------------------------
+# -- 4. tunables -------------------------------------------------------------------------
 
 
 def run_tunables() -> list[dict]:
@@ -287,8 +306,9 @@ def run_tunables() -> list[dict]:
             continue
         row = {"tunables": tunables}
         try:
-            row.update(time_aura("aura4v2", CONTEXTS[-1], **tunables))
-            print(f"aura4v2 {CONTEXTS[-1] // 1024}k {tunables or 'defaults'}: {row['us']:.1f} µs, {row['tbps']:.2f} TB/s", flush=True)
+            row.update(time_aura("aura4v2", CONTEXTS[-1], "mma", **tunables))
+            print(f"aura4v2 mma {CONTEXTS[-1] // 1024}k {tunables or 'defaults'}: {row['us']:.1f} µs, "
+                  f"{row['tbps']:.2f} TB/s", flush=True)
         except Exception:
             row["error"] = traceback.format_exc(limit=4)
             print(f"{tunables}: {row['error']}", flush=True)
@@ -297,7 +317,7 @@ def run_tunables() -> list[dict]:
     return rows
 
 
-# -- 4. encode and dequantize ----------------------------------------------------------
+# -- 3. encode and dequantize ----------------------------------------------------------
 
 
 def run_other_kernels() -> dict:
@@ -314,7 +334,7 @@ def run_other_kernels() -> dict:
     return out
 
 
-SECTIONS = ("checks", "decode", "other", "all-checks", "tunables")
+SECTIONS = ("checks", "decode", "other", "tunables")
 
 
 def main() -> None:
@@ -328,10 +348,9 @@ def main() -> None:
         print("no GPU backend in this MLX: nothing to run")
         return
     for key, name, run in (
-        ("checks", "checks at the timed shapes", run_timed_shape_checks),
+        ("checks", "kernel checks", run_checks),
         ("decode", "decode attention", run_decode_timings),
         ("other", "other kernels", run_other_kernels),
-        ("all-checks", "all kernel checks", run_all_checks),
         ("tunables", "tunables", run_tunables),
     ):
         if key in sections:

@@ -11,7 +11,7 @@ from butter_core.cache import reference_attention
 from butter_core.kernels import gpu_backend, relative_error
 
 from butter_aura import reference
-from butter_aura.kernels import GPU_OPS, KERNEL_CHECKS, attention, checks, encode, ops_for
+from butter_aura.kernels import GPU_OPS, KERNEL_CHECKS, attention, attention_mma, checks, encode, ops_for
 
 CASES = [pytest.param(check, case, id=f"{check.name}-{i}") for check in KERNEL_CHECKS for i, case in enumerate(check.cases)]
 
@@ -19,6 +19,8 @@ CASES = [pytest.param(check, case, id=f"{check.name}-{i}") for check in KERNEL_C
 @pytest.mark.skipif(gpu_backend() is None, reason="no GPU backend (Metal or CUDA) in this MLX")
 @pytest.mark.parametrize(("check", "case"), CASES)
 def test_kernel_matches_reference(check, case):
+    if check.name in checks.CUDA_ONLY and gpu_backend() != "cuda":
+        pytest.skip(f"{check.name} runs on CUDA only (dynamic shared memory)")
     result = check.check(seed=11, **case)
     assert result.passed, result
 
@@ -69,3 +71,35 @@ def test_kernel_wrappers_reject_what_they_do_not_serve():
     odd = checks.make_encode_inputs(0, head_dim=96)
     with pytest.raises(ValueError, match="head_dim"):
         encode.encode(**odd)
+
+
+@pytest.mark.parametrize(("key_bits", "value_bits"), attention_mma.BITS)
+def test_tensor_core_kernel_serves_the_shipped_schemes(key_bits, value_bits):
+    for head_dim in attention_mma.HEAD_DIMS:
+        for dtype in (mx.float16, mx.bfloat16):
+            inputs = checks.make_stored(0, head_dim=head_dim, dtype=dtype, key_bits=key_bits, value_bits=value_bits,
+                                        length=10, allocated=16)
+            assert attention_mma.serves(inputs["queries"], inputs["stored"])
+        inputs = checks.make_stored(0, head_dim=head_dim, dtype=mx.float32, key_bits=key_bits, value_bits=value_bits,
+                                    length=10, allocated=16)
+        assert not attention_mma.serves(inputs["queries"], inputs["stored"])  # float32: the SIMT kernel
+        inputs = checks.make_stored(0, head_dim=head_dim, key_bits=key_bits, value_bits=value_bits, group=32,
+                                    length=10, allocated=16)
+        assert not attention_mma.serves(inputs["queries"], inputs["stored"])  # per-group scales
+
+
+def test_tensor_core_kernel_leaves_other_schemes_to_the_simt_kernel():
+    inputs = checks.make_stored(0, key_bits=3, value_bits=2, length=10, allocated=16)
+    assert not attention_mma.serves(inputs["queries"], inputs["stored"])
+    with pytest.raises(ValueError, match="does not serve"):
+        attention.decode_attention(**inputs, method="mma")
+
+
+@pytest.mark.parametrize("length", [1, 100, 4096, 32768, 131072, 10**6])
+@pytest.mark.parametrize("blocks_per_split", [1, 8, 16, 64])
+def test_tensor_core_launch_is_at_most_one_wave(length, blocks_per_split):
+    resident = attention_mma.SMS * attention_mma.blocks_per_sm(attention_mma.shared_bytes(4, 4, 128), 4)
+    splits = attention_mma.num_splits(length, blocks_per_split, resident, attention_mma.MIN_KEYS_PER_SPLIT)
+    assert splits >= 1
+    assert splits == 1 or splits * blocks_per_split <= resident
+    assert splits <= -(-length // attention_mma.MIN_KEYS_PER_SPLIT)

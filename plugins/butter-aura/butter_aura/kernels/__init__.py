@@ -2,7 +2,10 @@
 
 * ``encode`` (``encode.py``): rotate and code appended keys and values (one launch).
 * ``decode_attention`` (``attention.py``): one query token over the codes, flash-decoding
-  split-K, no key or value materialised (two launches).
+  split-K, no key or value materialised (two launches). Its partials run on tensor cores
+  (``attention_mma.py``) on CUDA wherever that kernel serves the configuration (aura4v2,
+  aura4v4, aura8v4, aura8v8 with one scale per vector, float16/bfloat16 queries), else on
+  the SIMT kernel in ``attention.py``.
 * ``dequantize`` (``dequantize.py``): stored keys and values in the model's domain, for
   two-phase prefill and the window decorator's wrap-around path (one launch).
 

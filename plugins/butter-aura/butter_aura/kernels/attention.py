@@ -4,14 +4,17 @@ Two launches, flash-decoding style (core's ``butter_core.kernels.split_k``: its 
 plan, block assignment and lane/warp merges; AURA writes how a key and a value are read
 from codes, and its own merge):
 
-1. **partials** — one threadgroup per (batch, KV head, group of ``HEADS`` query heads)
-   and per split of the live slots. The block rotates its queries once (signs, then
-   Walsh–Hadamard butterflies in shared memory) and pre-scales them by
-   ``scale * log2(e)``. A key's ``D`` coordinates are spread over ``LANES`` lanes of
-   ``VEC`` coordinates each; a lane reads its slice of the key's code words, looks each
-   code up in the codebook (kept in shared memory) and accumulates ``q · level`` per
-   query head, times the key's scale; the lanes of a key sum by shuffles. Values are
-   accumulated the same way, in the rotated domain: ``acc += p * scale_v * level``.
+1. **partials** — on CUDA, wherever it serves the configuration, the tensor-core kernel
+   of ``attention_mma.py``; otherwise (float32 queries, other bit pairs, per-group
+   scales, Metal) the SIMT kernel here: one threadgroup per (batch, KV head,
+   group of ``HEADS`` query heads) and per split of the live slots. The block rotates
+   its queries once (signs, then Walsh–Hadamard butterflies in shared memory) and
+   pre-scales them by ``scale * log2(e)``. A key's ``D`` coordinates are spread over
+   ``LANES`` lanes of ``VEC`` coordinates each; a lane reads its slice of the key's code
+   words, looks each code up in the codebook (kept in shared memory) and accumulates
+   ``q · level`` per query head, times the key's scale; the lanes of a key sum by
+   shuffles. Values are accumulated the same way, in the rotated domain:
+   ``acc += p * scale_v * level``.
    Slots kept in full precision (sinks, recent) are skipped here. Each split writes its
    running max, sum and accumulator (online softmax, scores in log2 units) through
    ``splitk_merge_lanes``/``splitk_write_partials``.
@@ -27,10 +30,13 @@ Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, split_k
+from butter_core.kernels import Kernel, gpu_backend, split_k
 
+from butter_aura.kernels import attention_mma
 from butter_aura.kernels.source import HELPERS
 from butter_aura.stored import StoredLayer
 
@@ -262,6 +268,12 @@ _MERGE = Kernel(
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
+@functools.cache
+def _on_cuda() -> bool:
+    """Whether the kernels run on CUDA (asked once: a decode step calls this per layer)."""
+    return gpu_backend() == "cuda"
+
+
 def recent_range(stored: StoredLayer) -> tuple[int, int]:
     """Smallest and largest slot held in the recent ring (an empty range when none is)."""
     if stored.recent_range is not None:
@@ -271,39 +283,45 @@ def recent_range(stored: StoredLayer) -> tuple[int, int]:
 
 
 def decode_attention(
-    queries: mx.array, stored: StoredLayer, scale: float, *, lanes: int = LANES, warps: int = WARPS, tile: int = TILE
+    queries: mx.array,
+    stored: StoredLayer,
+    scale: float,
+    *,
+    method: str | None = None,
+    splits: int | None = None,
+    **tunables,
 ) -> mx.array:
-    """``reference.decode_attention`` on the GPU (``lanes``/``warps``/``tile`` are tunables for benchmarks)."""
+    """``reference.decode_attention`` on the GPU.
+
+    ``method``: ``"mma"`` (tensor-core partials, ``attention_mma``; CUDA, the configurations
+    ``attention_mma.serves``) or ``"simt"`` (this module's partials kernel); None picks
+    ``"mma"`` wherever it serves. ``splits`` forces the split count (tests); ``tunables``
+    are the chosen partials kernel's (``lanes``/``warps``/``tile`` here, ``warps``/``blocks``/
+    ``min_keys`` for MMA) for benchmarks.
+    """
     batch, q_heads, tokens, dims = queries.shape
     kv_heads, length = stored.key_codes.shape[1], stored.length
     if tokens != 1 or q_heads % kv_heads or length == 0:
         raise ValueError(f"decode attention takes one query token over >= 1 slot; got {queries.shape}, length {length}")
     if dims not in SUPPORTED_HEAD_DIMS or stored.rotation.permutation is not None:
         raise ValueError(f"the attention kernels serve head_dim {SUPPORTED_HEAD_DIMS}; got {dims}")
-    kc, vc = stored.key_codec, stored.value_codec
-    if min(kc.group, vc.group) < dims // lanes:
-        raise ValueError(f"scale groups ({kc.group}, {vc.group}) must hold at least {dims // lanes} coordinates")
-    launch = split_k.plan(batch=batch, q_heads=q_heads, kv_heads=kv_heads, dims=dims, length=length, warps=warps,
-                          max_heads=MAX_HEADS_PER_BLOCK, min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS)
+    if method is None:
+        method = "mma" if _on_cuda() and attention_mma.serves(queries, stored) else "simt"
     lo, hi = recent_range(stored)
     params = mx.array([length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
     scale_array = mx.array([scale], dtype=mx.float32)
-    partial_acc, partial_max, partial_sum = _PARTIALS(
-        inputs=[
-            queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
-            stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, params,
-            scale_array,
-        ],
-        template=[
-            ("T", queries.dtype), ("S", stored.key_scales.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits),
-            ("KG", kc.group), ("VG", vc.group), ("HEADS", launch.heads), ("LANES", lanes), ("WARPS", warps),
-            ("TILE", tile),
-        ],
-        grid=launch.grid,
-        threadgroup=launch.threadgroup,
-        output_shapes=launch.output_shapes,
-        output_dtypes=launch.output_dtypes,
-    )
+    if method == "mma":
+        if not attention_mma.serves(queries, stored):
+            raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
+        partial_acc, partial_max, partial_sum = attention_mma.partials(
+            queries, stored, params, scale_array, splits=splits, **tunables
+        )
+    elif method == "simt":
+        partial_acc, partial_max, partial_sum = _simt_partials(
+            queries, stored, params, scale_array, splits=splits, **tunables
+        )
+    else:
+        raise ValueError(f"method is 'mma', 'simt' or None; got {method!r}")
     (out,) = _MERGE(
         inputs=[
             partial_acc, partial_max, partial_sum, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values,
@@ -316,3 +334,40 @@ def decode_attention(
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+def _simt_partials(
+    queries: mx.array,
+    stored: StoredLayer,
+    params: mx.array,
+    scale: mx.array,
+    *,
+    lanes: int = LANES,
+    warps: int = WARPS,
+    tile: int = TILE,
+    splits: int | None = None,
+) -> list[mx.array]:
+    batch, q_heads, _, dims = queries.shape
+    kv_heads = stored.key_codes.shape[1]
+    kc, vc = stored.key_codec, stored.value_codec
+    if min(kc.group, vc.group) < dims // lanes:
+        raise ValueError(f"scale groups ({kc.group}, {vc.group}) must hold at least {dims // lanes} coordinates")
+    launch = split_k.plan(batch=batch, q_heads=q_heads, kv_heads=kv_heads, dims=dims, length=stored.length,
+                          warps=warps, max_heads=MAX_HEADS_PER_BLOCK, min_keys=MIN_KEYS_PER_SPLIT,
+                          target_blocks=TARGET_BLOCKS)
+    n_splits = launch.n_splits if splits is None else splits
+    return _PARTIALS(
+        inputs=[
+            queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
+            stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, params, scale,
+        ],
+        template=[
+            ("T", queries.dtype), ("S", stored.key_scales.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits),
+            ("KG", kc.group), ("VG", vc.group), ("HEADS", launch.heads), ("LANES", lanes), ("WARPS", warps),
+            ("TILE", tile),
+        ],
+        grid=(launch.grid[0], n_splits, 1),
+        threadgroup=launch.threadgroup,
+        output_shapes=split_k.partial_shapes(batch, q_heads, n_splits, dims),
+        output_dtypes=launch.output_dtypes,
+    )

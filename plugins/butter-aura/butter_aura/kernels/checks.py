@@ -39,13 +39,16 @@ def make_stored(
     group: int | None = None,
     sinks: int = 4,
     recent: int = 32,
+    recent_end: int | None = None,
     encoded: bool = True,
 ) -> dict:
     """Queries and a ``StoredLayer`` of ``length`` live slots in buffers of ``allocated``.
 
     ``encoded``: slots hold the codes of random vectors (else random code words and
-    scales, cheaper at long contexts). The recent ring holds the last ``recent`` slots
-    below ``length``, except one entry made stale (a slot past ``length``) and one empty.
+    scales, cheaper at long contexts). The recent ring holds the ``recent`` slots below
+    ``recent_end`` (default ``length``; less puts the ring inside the live range, as
+    after the window decorator wrapped), except one entry made stale (a slot past
+    ``length``) and one empty.
     """
     k_q, k_k, k_v, k_w1, k_w2, k_s = _keys(seed, 6)
     group = group or head_dim
@@ -69,7 +72,8 @@ def make_stored(
         value_scales = (mx.random.uniform(0.5, 1.5, (*shape[:3], value_codec.groups), key=k_s) * 0.1).astype(SCALE_DTYPE)
     ring = max(recent, 1)
     recent_slots = [-1] * ring
-    for slot in range(max(sinks, length - recent), length):
+    recent_end = length if recent_end is None else recent_end
+    for slot in range(max(sinks, recent_end - recent), recent_end):
         recent_slots[(slot - sinks) % ring] = slot
     if recent >= 2:
         recent_slots[0] = length + 3 if recent_slots[0] >= 0 else recent_slots[0]  # stale: past length
@@ -137,6 +141,24 @@ def dequantize_reference_joined(stored, dtype) -> mx.array:
     return mx.concatenate(reference.dequantize(stored, dtype), axis=-1)
 
 
+def make_split_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
+    """``make_stored``'s inputs plus a forced split count (None: the kernel's own plan)."""
+    return {**make_stored(seed, **sizes), "splits": splits}
+
+
+def mma_decode_attention(queries, stored, scale, splits=None) -> mx.array:
+    """``decode_attention`` through the tensor-core partials kernel (``attention_mma``)."""
+    return attention.decode_attention(queries, stored, scale, method="mma", splits=splits)
+
+
+def reference_decode_attention(queries, stored, scale, splits=None) -> mx.array:
+    return reference.decode_attention(queries, stored, scale)
+
+
+CUDA_ONLY = frozenset({"decode_attention_mma"})
+"""Checks of kernels that only CUDA runs (the tensor-core partials need 64 KB of dynamic
+shared memory, which Metal's custom kernels lack)."""
+
 ENCODE_RTOL = {mx.float32: 2e-3}
 """Codes are chosen by comparisons, so the kernel and the reference agree exactly except
 where a value lies within a rounding of a decision boundary or a least-squares scale
@@ -178,6 +200,47 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
             {"length": 3000, "allocated": 4096, "q_heads": 28, "kv_heads": 4, "dtype": mx.float32, "group": 16,
              "sinks": 0, "recent": 0},
             {"length": 600, "allocated": 700, "q_heads": 6, "kv_heads": 3, "head_dim": 64, "sinks": 2, "recent": 5},
+        ),
+        rtol=ATTENTION_RTOL,
+    ),
+    KernelCheck(
+        # Every configuration the tensor-core kernel serves (aura4v2, aura4v4, aura8v4,
+        # aura8v8 x head_dim 128/64 x float16/bfloat16), each
+        # with one awkward feature: lengths that are not a multiple of the 16-key step,
+        # allocated == length (the last step clamps at the buffer's end), splits with no
+        # key and splits shorter than a step, a recent ring inside the live range, no
+        # full-precision rows, only a sink, GQA groups of 1, 2, 3, 6, 7 and 8 heads per
+        # threadgroup, random code words at long lengths.
+        name="decode_attention_mma",
+        kernel=mma_decode_attention,
+        reference=reference_decode_attention,
+        make_inputs=make_split_inputs,
+        cases=(
+            {"length": 200, "allocated": 256},
+            {"length": 1000, "allocated": 1000, "dtype": mx.float16, "q_heads": 32, "kv_heads": 8,
+             "recent_end": 517},
+            {"length": 9, "allocated": 16, "head_dim": 64, "splits": 6, "sinks": 1, "recent": 2},
+            {"length": 300, "allocated": 320, "head_dim": 64, "dtype": mx.float16, "q_heads": 16, "kv_heads": 2},
+            {"length": 777, "allocated": 800, "key_bits": 4, "value_bits": 4, "batch": 2, "q_heads": 24,
+             "kv_heads": 2},
+            {"length": 130, "allocated": 136, "key_bits": 4, "value_bits": 4, "dtype": mx.float16, "splits": 3,
+             "sinks": 0, "recent": 0},
+            {"length": 500, "allocated": 512, "key_bits": 4, "value_bits": 4, "head_dim": 64, "q_heads": 8,
+             "kv_heads": 8},
+            {"length": 64, "allocated": 64, "key_bits": 4, "value_bits": 4, "head_dim": 64, "dtype": mx.float16,
+             "q_heads": 6, "kv_heads": 3},
+            {"length": 2000, "allocated": 2048, "key_bits": 8, "value_bits": 4, "q_heads": 32, "kv_heads": 8,
+             "encoded": False},
+            {"length": 50, "allocated": 64, "key_bits": 8, "value_bits": 4, "dtype": mx.float16},
+            {"length": 257, "allocated": 300, "key_bits": 8, "value_bits": 4, "head_dim": 64, "q_heads": 12,
+             "kv_heads": 4},
+            {"length": 1, "allocated": 16, "key_bits": 8, "value_bits": 4, "head_dim": 64, "dtype": mx.float16},
+            {"length": 600, "allocated": 640, "key_bits": 8, "value_bits": 8, "splits": 40, "recent_end": 300},
+            {"length": 333, "allocated": 400, "key_bits": 8, "value_bits": 8, "dtype": mx.float16},
+            {"length": 100, "allocated": 128, "key_bits": 8, "value_bits": 8, "head_dim": 64, "batch": 2,
+             "q_heads": 14, "kv_heads": 2},
+            {"length": 3000, "allocated": 3000, "key_bits": 8, "value_bits": 8, "head_dim": 64, "dtype": mx.float16,
+             "q_heads": 8, "kv_heads": 1, "encoded": False},
         ),
         rtol=ATTENTION_RTOL,
     ),

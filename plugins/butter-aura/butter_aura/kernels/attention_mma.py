@@ -1,0 +1,601 @@
+"""Tensor-core partials of ``decode_attention`` (CUDA): scores and values as ``mma.sync`` tiles.
+
+The split-K structure is the SIMT kernel's (``attention.py``); this module replaces only
+its partials kernel, for one scale per vector, aura4v2, aura4v4, aura8v4 and aura8v8,
+``head_dim`` 64 or 128 and float16/bfloat16 queries (``serves``).
+``attention.decode_attention`` picks it on CUDA and runs AURA's merge kernel
+(full-precision rows, inverse rotation) after it.
+
+Per warp and per block of 16 keys, with the dialect's ``bt_mma_16x8x16`` (m16n8k16,
+float16 inputs, float32 sums), in the transposed layout of ``butter_core.kernels.mma``
+(the GQA group's query heads are the MMA's 8 columns, keys and coordinates its 16 rows):
+
+    Sᵀ[16 keys, heads]  = K_levels[16 keys, D] · Q_rotᵀ        (D / 16 products)
+    Oᵀ[16 coords, heads] += V_levelsᵀ[16 coords, 16 keys] · P'ᵀ  (D / 16 products)
+
+* **Scores.** B is the block's rotated query (signs and butterflies in shared memory,
+  times ``scale · log2(e) / √D``) in float16 (``mma_query_fragments``). A is the keys'
+  codebook *levels*, without the keys' scales: the C fragment's rows (keys) are
+  multiplied by their key's scale after the products. ``q · k`` does not change when
+  one permutation of the coordinates is applied to both, so lane ``(g, t)`` (``g =
+  lane / 4``, ``t = lane % 4``) reads one contiguous run of code words per key —
+  coordinates ``[t D/4, (t+1) D/4)`` of keys ``g`` and ``g + 8`` (16 bytes per key for
+  4-bit codes at D = 128) — and pair ``r`` of that run (``AuraKeyPerm``: coordinates
+  ``2r, 2r + 1``, one byte of 4-bit codes) goes where the MMA wants pair ``r``.
+* **Online softmax** on the C fragment, in log2 units: lane ``(g, t)`` holds the scores
+  of keys ``g``, ``g + 8`` for heads ``2t``, ``2t + 1``; a head's maximum is reduced over
+  the 8 lanes of a ``t`` (three shuffles per head and step); the accumulators are
+  rescaled only when some head's maximum grew (a warp vote).
+* **Values.** ``P' = p · (the key's value scale)``, rounded to float16, is the second
+  product's B operand (a transpose of the score fragment: four shuffles and two byte
+  permutes per block), so values need no per-element scale. A is the values' levels:
+  lane ``(g, t)`` reads coordinates ``[g D/8, (g+1) D/8)`` of keys ``2t, 2t+1, 2t+8,
+  2t+9``; an A register holds one coordinate of two keys. For 2- and 4-bit codes the
+  two keys' code bytes are first interleaved nibble by nibble (two LOP3 per word), so
+  that one look-up returns the pair already interleaved; 8-bit levels are paired with
+  a byte permute.
+* **Levels from codes**: look-up tables in shared memory, indexed a byte at a time:
+  the key table holds, per byte of 4-bit codes, the half2 of its two levels (8-bit: the
+  level as a half); the value table per interleaved byte the half2 of key x's and key
+  y's level (2-bit: a uint2, two coordinates). The tables are 256 entries of 256 bytes
+  (64 KB of dynamic shared memory): entry ``e`` holds 32 copies of the key table's 4
+  bytes, then 32 copies of the value table's 4 bytes (16 of its 8 bytes for 2-bit
+  codes). Lane ``l`` reads copy ``l`` (``l % 16``), so the warp's 32 data-dependent
+  look-ups fall in 32 distinct banks, and a look-up's address is ``e << 8`` plus the
+  copy's offset: one byte permute of the code word (``aura_lut_offset``) plus the
+  table's base. Built once per threadgroup from the codebooks (16-byte stores).
+
+A warp takes ``BLOCKS`` blocks per step (default 2: more loads in flight, one softmax
+reduction per 32 keys); the next step's key codes and scales are loaded as soon as the
+scores are done, its value codes as soon as the values are. Full-precision slots (sinks,
+the recent ring) are skipped as in the SIMT kernel: a step wholly inside ``[sinks,
+end)`` and outside the ring's slot range takes no per-key test. After the loop each
+warp's state goes to shared memory (over the tables) and ``mma_write_partials`` merges
+the warps and writes the split's partials. The split count fills the GPU with one wave
+of threadgroups (``num_splits``).
+
+Precision: levels, query and P' are rounded to float16 once each (relative 2^-11) and
+every product is summed in float32; exponentials use the hardware's ``ex2.approx``.
+Measured against the pure-mx reference (CPU emulator, ``KERNEL_CHECKS``): relative
+error 3.9e-4 to 5.0e-4 for float16 outputs, 1.1e-3 to 1.3e-3 for bfloat16 ones.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from butter_core.kernels import Kernel, mma, split_k
+
+from butter_aura.kernels.source import HELPERS
+
+BITS = ((4, 2), (4, 4), (8, 4), (8, 8))
+"""(key bits, value bits) served: aura4v2, aura4v4, aura8v4, aura8v8, the pairs its checks
+cover (the kernel's key and value paths are independent: 4- or 8-bit keys, 2-, 4- or 8-bit
+values; another pair would need its own checks)."""
+HEAD_DIMS = (64, 128)
+QUERY_DTYPES = (mx.float16, mx.bfloat16)
+
+WARPS = 4
+"""Warps per threadgroup (each takes its own steps of ``BLOCKS`` * 16 keys)."""
+BLOCKS = 2
+"""16-key blocks a warp takes per step: more loads in flight, one softmax reduction per step
+(``default_blocks``: 1 where 2 would need more registers than three threadgroups per
+multiprocessor leave)."""
+LUT_BYTES = 256 * 256
+"""The look-up tables: 256 entries of 256 bytes (32 copies of the key table's 4 bytes, 32
+copies of the value table's 4 bytes or 16 of its 8 bytes)."""
+MAX_HEADS_PER_BLOCK = 8
+"""Query heads one threadgroup serves: the 8 columns of the value MMA."""
+MIN_KEYS_PER_SPLIT = 128
+SMS = 132
+"""Streaming multiprocessors of the H200."""
+REGISTERS = 168
+"""Registers per thread the launch is planned with: nvcc reports 128-168 for these builds."""
+SHARED_PER_SM = 228 * 1024
+"""Shared memory of an H200 multiprocessor, of which each threadgroup also takes 1 KB."""
+STATIC_SHARED = 2 * 256 * 4 + MAX_HEADS_PER_BLOCK * 128 * 4
+"""The kernel's static shared arrays at most (two codebooks, the rotated queries)."""
+
+
+def shared_bytes(warps: int, heads: int, dims: int) -> int:
+    """Dynamic shared memory: the tables, reused after the loop for the warps' states."""
+    return max(LUT_BYTES, warps * heads * (dims + 2) * 4)
+
+
+def blocks_per_sm(shared: int, warps: int) -> int:
+    """Threadgroups of the partials kernel one multiprocessor holds at once."""
+    by_shared = SHARED_PER_SM // (shared + STATIC_SHARED + 1024)
+    by_registers = 65536 // (REGISTERS * 32 * warps)
+    return max(1, min(by_shared, by_registers, 64 // warps))
+
+
+def default_blocks(key_bits: int, value_bits: int, dims: int) -> int:
+    """``BLOCKS``, except 1 for 8-bit keys and values at head_dim 128 (254 registers at 2)."""
+    return 1 if key_bits == 8 and value_bits == 8 and dims == 128 else BLOCKS
+
+
+def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int) -> int:
+    """Splits of the live keys: at least ``min_keys`` keys each, and no more threadgroups than
+    the GPU holds at once (``resident``): one wave, never a second wave of a few blocks,
+    which would take as long as the first."""
+    return max(1, min(-(-length // min_keys), resident // blocks_per_split))
+
+
+_BODY = """
+  // Template: T (query dtype), D, KB, VB (code bits), HEADS, WARPS, BLOCKS (16-key blocks per warp step).
+  // params: [live, sinks, ring, recent_lo, recent_hi]. Scales are float16.
+  constexpr int THREADS = WARPS * BT_WARP_SIZE;
+  constexpr int KSTEPS = D / 16;            // k-steps of the score MMA
+  constexpr int MT = D / 16;                // m-tiles (16 coordinates) of the value MMA
+  constexpr int KWB = D * KB / 8;           // bytes of a key's codes
+  constexpr int VWB = D * VB / 8;           // bytes of a value's codes
+  constexpr int KLB = D / 4 * KB / 8;       // bytes of a key's codes one lane reads
+  constexpr int VLB = D / 8 * VB / 8;       // bytes of a value's codes one lane reads
+  constexpr int KLW = KLB / 4;
+  constexpr int VLW = (VLB + 3) / 4;
+  constexpr int PER = (HEADS * D + THREADS - 1) / THREADS;
+  static_assert(HEADS <= 8, "the value MMA has 8 head columns");
+
+  const int live = params[0];
+  const int sinks = params[1];
+  const int ring = params[2];
+  const int recent_lo = params[3];
+  const int recent_hi = params[4];
+  const SplitKBlock block = splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], live);
+  const int allocated = key_codes_shape[2];
+  const int g = lane_id / 4;
+  const int t = lane_id % 4;
+  const uint32_t k_copy = lane_id * 4;                         // byte offset of this lane's copies
+  const uint32_t v_copy = VB == 2 ? (lane_id % 16) * 8 : lane_id * 4;
+
+  const int64_t rows = static_cast<int64_t>(block.batch_kv_head) * allocated;
+  const unsigned char* k_base = reinterpret_cast<const unsigned char*>(key_codes) + rows * KWB + t * KLB;
+  const unsigned char* v_base = reinterpret_cast<const unsigned char*>(value_codes) + rows * VWB + g * VLB;
+  const BT_GLOBAL __half* ks_base = key_scales + rows;
+  const BT_GLOBAL __half* vs_base = value_scales + rows;
+  const int last = block.end - 1;
+  constexpr int KEYS = 16 * BLOCKS;         // keys of one warp step
+  constexpr int STEP = WARPS * KEYS;
+  int base = block.start + static_cast<int>(warp_id) * KEYS;
+
+  // Codes and scales of a step (key block b = keys base + 16 b + [0, 16)): the key codes
+  // and scales are reloaded for the next step as soon as the scores are done, the value
+  // codes as soon as the values are.
+  uint32_t kc[BLOCKS][2][KLW];   // keys g and g + 8: this lane's quarter of their codes
+  uint32_t vc[BLOCKS][4][VLW];   // keys 2t, 2t+1, 2t+8, 2t+9: this lane's eighth of their codes
+  float ks[BLOCKS][2];           // key scales of keys g and g + 8
+  float vs[BLOCKS][2];           // their value scales
+  // A step wholly inside [start, end) reads from one address per array plus constant
+  // offsets; the last step of a split clamps each key to the last one.
+  auto load_keys = [&](int at) {
+    if (at + KEYS <= block.end) {
+      const uint32_t key = static_cast<uint32_t>(at + g);
+      const unsigned char* codes = k_base + key * static_cast<uint32_t>(KWB);
+      const BT_GLOBAL __half* kscales = ks_base + key;
+      const BT_GLOBAL __half* vscales = vs_base + key;
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          aura_load_bytes<KLB>(codes + (16 * b + 8 * h) * KWB, kc[b][h]);
+          ks[b][h] = bt_to_float(kscales[16 * b + 8 * h]);
+          vs[b][h] = bt_to_float(vscales[16 * b + 8 * h]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 8 * h + g, last));
+          aura_load_bytes<KLB>(k_base + key * static_cast<uint32_t>(KWB), kc[b][h]);
+          ks[b][h] = bt_to_float(ks_base[key]);
+          vs[b][h] = bt_to_float(vs_base[key]);
+        }
+      }
+    }
+  };
+  auto load_values = [&](int at) {
+    if (at + KEYS <= block.end) {
+      const unsigned char* codes = v_base + static_cast<uint32_t>(at + 2 * t) * static_cast<uint32_t>(VWB);
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          aura_load_bytes<VLB>(codes + (16 * b + (i & 1) + 8 * (i >> 1)) * VWB, vc[b][i]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 2 * t + (i & 1) + 8 * (i >> 1), last));
+          aura_load_bytes<VLB>(v_base + key * static_cast<uint32_t>(VWB), vc[b][i]);
+        }
+      }
+    }
+  };
+  if (base < block.end) {  // the first step's loads overlap building the tables
+    load_keys(base);
+    load_values(base);
+  }
+
+  // The look-up tables: 256 entries of 256 bytes in dynamic shared memory. Entry e holds
+  // 32 copies of the key table's 32-bit value at bytes [0, 128) and the value table's
+  // copies at [128, 256) (32 of 32 bits, or 16 of 64 bits for 2-bit codes); lane l reads
+  // copy l (l % 16), so its byte address is one byte permute of the code word:
+  // e << 8 | its copy's offset (aura_lut_offset). After the loop the same memory holds
+  // the warps' states.
+  BT_DYNAMIC_SHARED(uint4, aura_lut);
+  const char* lut = reinterpret_cast<const char*>(aura_lut);
+  BT_SHARED float k_lv[256];
+  BT_SHARED float v_lv[256];
+  alignas(16) BT_SHARED float q_rot[HEADS * D];  // 16-byte loads in mma_query_fragments
+  for (int i = thread_rank; i < (1 << KB); i += THREADS) {
+    k_lv[i] = key_levels[i];
+  }
+  for (int i = thread_rank; i < (1 << VB); i += THREADS) {
+    v_lv[i] = value_levels[i];
+  }
+  for (int e = thread_rank; e < HEADS * D; e += THREADS) {
+    q_rot[e] = bt_to_float(queries[static_cast<int64_t>(block.first_q_head) * D + e]) *
+               signs[block.kv_head * D + e % D];
+  }
+  BT_BARRIER;
+  for (int i = thread_rank; i < 256 * 16; i += THREADS) {  // 16-byte stores: 16 per entry
+    const int e = i / 16;
+    uint32_t x, y;
+    if (i % 16 < 8) {
+      x = y = aura_lut_entry<KB>(k_lv, e);
+    } else if constexpr (VB == 2) {
+      // Two keys' two codes each, key x in the low nibble, key y in the high one:
+      // .x = (x, y) at the first coordinate, .y = (x, y) at the second.
+      x = bt_pack_half2(v_lv[e & 3], v_lv[(e >> 4) & 3]);
+      y = bt_pack_half2(v_lv[(e >> 2) & 3], v_lv[e >> 6]);
+    } else {
+      x = y = aura_lut_entry<VB>(v_lv, e);
+    }
+    aura_lut[i] = make_uint4(x, y, x, y);
+  }
+  aura_fwht_shared<PER>(q_rot, HEADS * D, D, THREADS, static_cast<int>(thread_rank));
+
+  // The query as B fragments of the score MMA (butter_core.kernels.mma): head g's pairs
+  // 2j and 2j+1 of its key chunk, coordinates t D/4 + 4j + {0, 1} and + {2, 3}.
+  const float q_scale = scale[0] * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
+  uint32_t qb[KSTEPS * 2];
+  // (q_rot and the tables are complete here: aura_fwht_shared ends with a barrier.)
+  mma_query_fragments<AuraKeyPerm, 1, D, float>(q_rot, HEADS, q_scale, lane_id, qb);
+
+  // Online-softmax state of heads 2t and 2t+1 (the same in the 8 lanes of a t).
+  const bool heads_here = 2 * t < HEADS;
+  float m[2] = {BT_NEG_INF, BT_NEG_INF};
+  float l[2] = {0.0f, 0.0f};  // this lane's part of the running sums
+  float o[MT * 4];            // O^T: m-tile j, rows = coordinates, columns = heads 2t, 2t+1
+#pragma unroll
+  for (int i = 0; i < MT * 4; ++i) {
+    o[i] = 0.0f;
+  }
+  // The transposition of P' (see below): this lane's sources and which half it takes.
+  const int src0 = 8 * t + g / 2;
+  const uint32_t half_sel = g % 2 ? 0x7632u : 0x5410u;
+
+  // The loop bound is uniform across the warp: every lane reaches the MMAs and shuffles.
+  for (; base < block.end; base += STEP) {
+    // S^T = K Q^T per key block: A = key levels (rows g and g + 8 = keys g and g + 8),
+    // B = the query; C: s[b][0, 1] = key g, heads 2t, 2t+1; s[b][2, 3] = key g + 8.
+    // Two accumulation chains per block (even and odd k-steps).
+    float s[BLOCKS][4];
+    float s_odd[BLOCKS][4];
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[b][i] = 0.0f;
+        s_odd[b][i] = 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) {
+        uint32_t a[4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (KB == 4) {
+            a[h] = aura_lut_u32(lut, kc[b][h], 2 * j, k_copy);
+            a[h + 2] = aura_lut_u32(lut, kc[b][h], 2 * j + 1, k_copy);
+          } else {
+            a[h] = bt_byte_perm(aura_lut_u32(lut, kc[b][h], 4 * j, k_copy),
+                                aura_lut_u32(lut, kc[b][h], 4 * j + 1, k_copy), 0x5410u);
+            a[h + 2] = bt_byte_perm(aura_lut_u32(lut, kc[b][h], 4 * j + 2, k_copy),
+                                    aura_lut_u32(lut, kc[b][h], 4 * j + 3, k_copy), 0x5410u);
+          }
+        }
+        bt_mma_16x8x16(j % 2 ? s_odd[b] : s[b], a, qb + 2 * j, lane_id);
+      }
+    }
+    float kscale[BLOCKS][2];
+    float vscale[BLOCKS][2];
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        kscale[b][h] = ks[b][h];
+        vscale[b][h] = vs[b][h];
+      }
+    }
+    if (base + STEP < block.end) {
+      load_keys(base + STEP);
+    }
+
+    // Keys read from their codes: inside [sinks, end) and not held by the recent ring.
+    // The scores' columns past HEADS are -inf too, so their P' is 0.
+    const bool plain = base >= sinks && base + KEYS <= block.end && (base + KEYS <= recent_lo || base > recent_hi);
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        bool coded = heads_here;
+        if (!plain) {
+          const int key = base + 16 * b + 8 * h + g;
+          coded = coded && key < block.end && key >= sinks;
+          if (coded && key >= recent_lo && key <= recent_hi) {
+            coded = recent_slots[(key - sinks) % ring] != key;
+          }
+        }
+        s[b][2 * h] = coded ? (s[b][2 * h] + s_odd[b][2 * h]) * kscale[b][h] : BT_NEG_INF;
+        s[b][2 * h + 1] = coded && 2 * t + 1 < HEADS ? (s[b][2 * h + 1] + s_odd[b][2 * h + 1]) * kscale[b][h]
+                                                     : BT_NEG_INF;
+        vscale[b][h] = coded ? vscale[b][h] : 0.0f;  // P' = 0 whatever a skipped slot's scale holds
+      }
+    }
+
+    // Online softmax per head (column): max over the step's keys in the 8 lanes of a t,
+    // rescale what was summed so far when some head's max grew.
+    float p[BLOCKS][4];
+    float correction[2];
+    bool grew = false;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float step_max = BT_NEG_INF;
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+        step_max = fmaxf(step_max, fmaxf(s[b][c], s[b][c + 2]));
+      }
+      step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 4));
+      step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 8));
+      step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 16));
+      const bool up = step_max > m[c];
+      const float m_new = up ? step_max : m[c];
+      correction[c] = up ? aura_exp2(m[c] - m_new) : 1.0f;
+      float sum = 0.0f;
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+        p[b][c] = s[b][c] == BT_NEG_INF ? 0.0f : aura_exp2(s[b][c] - m_new);
+        p[b][c + 2] = s[b][c + 2] == BT_NEG_INF ? 0.0f : aura_exp2(s[b][c + 2] - m_new);
+        sum += p[b][c] + p[b][c + 2];
+      }
+      l[c] = l[c] * correction[c] + sum;
+      m[c] = m_new;
+      grew = grew || up;
+    }
+    if (bt_any(grew)) {
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        o[4 * j] *= correction[0];
+        o[4 * j + 1] *= correction[1];
+        o[4 * j + 2] *= correction[0];
+        o[4 * j + 3] *= correction[1];
+      }
+    }
+
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+      // P' = p * value scale in float16, transposed to the value MMA's B fragment (keys
+      // 2t', 2t'+1 | 2t'+8, 2t'+9 of head g'): lane (g', t') takes half g' % 2 of lanes
+      // (2t', g'/2) and (2t'+1, g'/2)'s packs (key g, heads 2t, 2t+1 | key g + 8).
+      const uint32_t pk0 = bt_pack_half2(p[b][0] * vscale[b][0], p[b][1] * vscale[b][0]);
+      const uint32_t pk1 = bt_pack_half2(p[b][2] * vscale[b][1], p[b][3] * vscale[b][1]);
+      uint32_t pb[2];
+      pb[0] = bt_byte_perm(bt_shuffle_u32(pk0, src0), bt_shuffle_u32(pk0, src0 + 4), half_sel);
+      pb[1] = bt_byte_perm(bt_shuffle_u32(pk1, src0), bt_shuffle_u32(pk1, src0 + 4), half_sel);
+
+      // O^T += V_levels^T P'^T. m-tile j: row g -> coordinate g D/8 + 2j, row g+8 -> + 2j + 1;
+      // A: a[0] = row g, keys 2t, 2t+1; a[1] = row g+8, same keys; a[2], a[3]: keys 2t+8, 2t+9.
+      uint32_t z[2][2][VLW];  // 2- and 4-bit codes: the two keys' nibbles interleaved
+      if constexpr (VB != 8) {
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+#pragma unroll
+          for (int w = 0; w < VLW; ++w) {
+            const uint32_t x = vc[b][2 * pair][w];
+            const uint32_t y = vc[b][2 * pair + 1][w];
+            z[pair][0][w] = (x & 0x0F0F0F0Fu) | ((y << 4) & 0xF0F0F0F0u);
+            z[pair][1][w] = ((x >> 4) & 0x0F0F0F0Fu) | (y & 0xF0F0F0F0u);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        uint32_t a[4];
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          if constexpr (VB == 2) {
+            // byte j / 2 of the low (j even) or high (j odd) nibbles: coordinates 2j, 2j + 1.
+            const uint2 e = aura_lut_u64(lut + 128, z[pair][j % 2], j / 2, v_copy);
+            a[2 * pair] = e.x;
+            a[2 * pair + 1] = e.y;
+          } else if constexpr (VB == 4) {
+            a[2 * pair] = aura_lut_u32(lut + 128, z[pair][0], j, v_copy);
+            a[2 * pair + 1] = aura_lut_u32(lut + 128, z[pair][1], j, v_copy);
+          } else {
+            const uint32_t* x = vc[b][2 * pair];
+            const uint32_t* y = vc[b][2 * pair + 1];
+            a[2 * pair] = bt_byte_perm(aura_lut_u32(lut + 128, x, 2 * j, v_copy),
+                                       aura_lut_u32(lut + 128, y, 2 * j, v_copy), 0x5410u);
+            a[2 * pair + 1] = bt_byte_perm(aura_lut_u32(lut + 128, x, 2 * j + 1, v_copy),
+                                           aura_lut_u32(lut + 128, y, 2 * j + 1, v_copy), 0x5410u);
+          }
+        }
+        bt_mma_16x8x16(o + 4 * j, a, pb, lane_id);
+      }
+    }
+    if (base + STEP < block.end) {
+      load_values(base + STEP);
+    }
+  }
+
+  // Each warp's state to shared memory (over the tables), then merge the warps.
+  BT_BARRIER;
+  float* warp_m = reinterpret_cast<float*>(aura_lut);
+  float* warp_l = warp_m + WARPS * HEADS;
+  float* warp_acc = warp_l + WARPS * HEADS;
+  mma_write_partials<HEADS, 1, D, WARPS>(m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
+                                         partial_acc, partial_max, partial_sum);
+"""
+
+_MMA_HELPERS = r"""
+// ---- AURA tensor-core decode (attention_mma.py) ----
+// N bytes from global memory (N-byte aligned) into 32-bit words (N = 2: one zero-extended word).
+template <int N>
+BT_FUNC void aura_load_bytes(const unsigned char* src, uint32_t* dst) {
+  if constexpr (N == 32) {
+    const uint4 a = reinterpret_cast<const uint4*>(src)[0];
+    const uint4 b = reinterpret_cast<const uint4*>(src)[1];
+    dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
+    dst[4] = b.x; dst[5] = b.y; dst[6] = b.z; dst[7] = b.w;
+  } else if constexpr (N == 16) {
+    const uint4 a = *reinterpret_cast<const uint4*>(src);
+    dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
+  } else if constexpr (N == 8) {
+    const uint2 a = *reinterpret_cast<const uint2*>(src);
+    dst[0] = a.x; dst[1] = a.y;
+  } else if constexpr (N == 4) {
+    dst[0] = *reinterpret_cast<const uint32_t*>(src);
+  } else {
+    static_assert(N == 2, "2, 4, 8, 16 or 32 bytes");
+    dst[0] = *reinterpret_cast<const unsigned short*>(src);
+  }
+}
+
+// A look-up table's value for byte n of `words`, from the copy at byte offset `copy`
+// (< 128) of 256-byte entries: the address is byte n in bits 8-15, the copy's offset in
+// bits 0-7 — one byte permute (n must be a compile-time constant after unrolling).
+BT_FUNC uint32_t aura_lut_offset(const uint32_t* words, int n, uint32_t copy) {
+  return bt_byte_perm(words[n >> 2], copy, 0x5504u | static_cast<uint32_t>((n & 3) << 4));
+}
+BT_FUNC uint32_t aura_lut_u32(const char* lut, const uint32_t* words, int n, uint32_t copy) {
+  return *reinterpret_cast<const uint32_t*>(lut + aura_lut_offset(words, n, copy));
+}
+BT_FUNC uint2 aura_lut_u64(const char* lut, const uint32_t* words, int n, uint32_t copy) {
+  return *reinterpret_cast<const uint2*>(lut + aura_lut_offset(words, n, copy));
+}
+
+// Entry e of a 32-bit look-up table: a byte's two 4-bit codes as half2 (lower code in the
+// lower half), or an 8-bit code's level as a half in the lower 16 bits.
+template <int BITS>
+BT_FUNC uint32_t aura_lut_entry(const float* levels, int e) {
+  if constexpr (BITS == 4) {
+    return bt_pack_half2(levels[e & 15], levels[e >> 4]);
+  } else {
+    return bt_pack_half2(levels[e], 0.0f);
+  }
+}
+
+// 2^x by the hardware's approximation (about 2 ulp; results below 2^-126 flush to zero),
+// exact exp2f where the source is not compiled for a GPU (a CPU emulator).
+BT_FUNC float aura_exp2(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
+// The key chunk's pairs for the query fragments (butter_core.kernels.mma): pair r is
+// coordinates 2r and 2r + 1 of the chunk, as a byte of 4-bit codes holds them.
+struct AuraKeyPerm {
+  static BT_FUNC constexpr int lo(int r) { return 2 * r; }
+  static BT_FUNC constexpr int hi(int r) { return 2 * r + 1; }
+};
+"""
+
+_KERNELS: dict[int, Kernel] = {}
+
+
+def partials_kernel(shared: int) -> Kernel:
+    """The partials kernel with ``shared`` bytes of dynamic shared memory (one object per size)."""
+    if shared not in _KERNELS:
+        _KERNELS[shared] = Kernel(
+            name=f"butter_aura_decode_mma_partials_{shared}",
+            input_names=(
+                "queries", "signs", "key_codes", "key_scales", "value_codes", "value_scales",
+                "key_levels", "value_levels", "recent_slots", "params", "scale",
+            ),
+            output_names=("partial_acc", "partial_max", "partial_sum"),
+            helpers=split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + HELPERS + _MMA_HELPERS,
+            body=_BODY,
+            shared_memory=shared,
+            mma=True,
+        )
+    return _KERNELS[shared]
+
+
+def serves(queries: mx.array, stored) -> bool:
+    """Whether this kernel serves these queries over ``stored`` (else the SIMT kernel does)."""
+    kc, vc = stored.key_codec, stored.value_codec
+    dims = queries.shape[-1]
+    return (
+        queries.dtype in QUERY_DTYPES
+        and dims in HEAD_DIMS
+        and (kc.bits, vc.bits) in BITS
+        and kc.group == dims
+        and vc.group == dims
+        and stored.rotation.permutation is None
+        and stored.key_scales.dtype == mx.float16
+        and stored.value_scales.dtype == mx.float16
+    )
+
+
+def partials(
+    queries: mx.array,
+    stored,
+    params: mx.array,
+    scale: mx.array,
+    *,
+    warps: int = WARPS,
+    blocks: int | None = None,
+    min_keys: int = MIN_KEYS_PER_SPLIT,
+    splits: int | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
+    slots; ``splits`` forces the split count (tests), else ``num_splits``."""
+    batch, q_heads, _, dims = queries.shape
+    kv_heads = stored.key_codes.shape[1]
+    kc, vc = stored.key_codec, stored.value_codec
+    heads = split_k.heads_per_block(q_heads // kv_heads, MAX_HEADS_PER_BLOCK)
+    shared = shared_bytes(warps, heads, dims)
+    blocks_per_split = batch * q_heads // heads
+    if splits is None:
+        splits = num_splits(stored.length, blocks_per_split, SMS * blocks_per_sm(shared, warps), min_keys)
+    if blocks is None:
+        blocks = default_blocks(kc.bits, vc.bits, dims)
+    threads = warps * 32
+    launch = split_k.SplitKLaunch(
+        heads=heads, n_splits=splits, grid=(threads * blocks_per_split, splits, 1), threadgroup=(threads, 1, 1),
+        output_shapes=split_k.partial_shapes(batch, q_heads, splits, dims),
+    )
+    return partials_kernel(shared)(
+        inputs=[
+            queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
+            stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, params, scale,
+        ],
+        template=[
+            ("T", queries.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits), ("HEADS", launch.heads),
+            ("WARPS", warps), ("BLOCKS", blocks),
+        ],
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=launch.output_shapes,
+        output_dtypes=launch.output_dtypes,
+    )
