@@ -14,8 +14,10 @@ Made for the lent NVIDIA H200 (MLX's CUDA backend); runs on any MLX backend.
 2. End to end: decode tok/s of a Qwen3-1.7B-shaped model with random bf16 weights at
    each ``--e2e-context``, per scheme, through butter's own engine (chunked prefill,
    then two untimed steps (the first, reported as ``first_step_s``, compiles the decode
-   kernels), then ``--decode-tokens`` timed steps, each split into building the step's
-   graph in Python (``step_build_ms``) and evaluating it (``step_eval_ms``).
+   kernels), then ``--decode-tokens`` greedy tokens through ``Generation`` (the loop of
+   ``butter generate``, which builds step n+1's graph while step n evaluates): decode
+   tok/s. Then ``SYNC_STEPS`` steps one at a time, each split into building the step's
+   graph on the host (``step_build_ms``) and evaluating it (``step_eval_ms``).
 
 Usage: python3 bench/gpu_bench.py [--kv-cache raw,affine4,...] [--json PATH]
 Each section catches its own errors so one failure does not hide the rest.
@@ -37,10 +39,13 @@ import mlx.nn as nn
 
 from butter_core import LayerSpec, LoadOptions, get_plugin_host, make_layer_caches
 from butter_core.engine import Engine
+from butter_core.generation import Generation
 from butter_core.models import build_model
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DEFAULT_SCHEMES = "raw,affine8,affine6,affine4,aura8v8,aura8v4,aura4v4,aura4v2,fp8"
+SYNC_STEPS = 8
+"""Unpipelined decode steps timed for the build/eval split."""
 QWEN3_1_7B = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -169,7 +174,7 @@ def e2e_section(args, rows):
             except Exception:  # noqa: BLE001
                 continue
             try:
-                engine = Engine(model, LoadOptions(kv_cache=kind, max_context_length=context + args.decode_tokens + 8))
+                engine = Engine(model, LoadOptions(kv_cache=kind, max_context_length=context + args.decode_tokens + 32))
                 caches = engine.make_layer_caches()
                 mx.reset_peak_memory()
                 start = time.perf_counter()
@@ -179,26 +184,29 @@ def e2e_section(args, rows):
                 token = engine.forward_sample(token, caches[0].absolute_position, caches)
                 first_step_s = time.perf_counter() - start  # includes compiling the decode kernels
                 token = engine.forward_sample(token, caches[0].absolute_position, caches)
+                peak = mx.get_peak_memory()  # Generation resets the peak
+                generation = Generation(engine, [token], caches, max_tokens=args.decode_tokens + 1)
+                for token in generation:
+                    pass
                 build_s = eval_s = 0.0
-                for _ in range(args.decode_tokens):
+                for _ in range(SYNC_STEPS):
                     start = time.perf_counter()
                     logits = engine.forward([token], caches)
                     built = time.perf_counter()
                     token = mx.argmax(logits).item()
                     build_s += built - start
                     eval_s += time.perf_counter() - built
-                decode_s = build_s + eval_s
                 rows.append(
                     {
                         "scheme": name,
                         "context": context,
                         "prefill_tok_s": round(context / prefill_s, 1),
                         "first_step_s": round(first_step_s, 3),
-                        "decode_tok_s": round(args.decode_tokens / decode_s, 2),
-                        "step_build_ms": round(1e3 * build_s / args.decode_tokens, 2),
-                        "step_eval_ms": round(1e3 * eval_s / args.decode_tokens, 2),
+                        "decode_tok_s": round(generation.stats.decode_tps, 2),
+                        "step_build_ms": round(1e3 * build_s / SYNC_STEPS, 2),
+                        "step_eval_ms": round(1e3 * eval_s / SYNC_STEPS, 2),
                         "kv_bytes_live": sum(c.nbytes_live for c in caches),
-                        "peak_memory_bytes": mx.get_peak_memory(),
+                        "peak_memory_bytes": max(peak, mx.get_peak_memory()),
                     }
                 )
                 del caches
