@@ -1,10 +1,10 @@
 """``decode_attention``: one query token over packed 4- or 8-bit K/V, on tensor cores.
 
-The same split-K flash-decoding as ``decode`` (partials per split of the live keys,
-then ``butter_core.kernels.split_k``'s merge kernel; the same ``plan`` and partials
-format), but each warp computes its scores and its value sums as matrix products
-(``bt_mma_16x8x16``: float16 inputs, float32 sums) in the transposed layout that
-``butter_core.kernels.mma`` describes: per block of 16 keys,
+The same split-K flash-decoding as ``decode`` (partials per split of the live keys; the
+same ``plan`` and partials format), then ``split_k``'s merge kernel; optionally in one
+launch (``FUSED_MERGE``: the last threadgroup of each head chunk merges the splits; off
+by default, measured slower). Each warp computes its scores and its value sums as matrix products (``bt_mma_16x8x16``: float16 inputs, float32 sums) in
+the transposed layout that ``butter_core.kernels.mma`` describes: per block of 16 keys,
 
     Sᵀ[16 keys, heads]  = K[16 keys, D] · Qᵀ             (D / 16 products)
     Oᵀ[16 dims, heads] += Vᵀ[16 dims, 16 keys] · Pᵀ      (D / 16 products)
@@ -37,8 +37,20 @@ first defaults against 133.6 µs for MLX's SDPA on raw bf16 (0.60x) and 157.3 µ
 defaults below (``KEY_BLOCKS=2``, no prefetch, 396 threadgroups): affine4 73.2 µs
 (0.55x raw, 2.3 TB/s), affine8 83.5 µs. At 4k and 32k it is within 0-12% of raw SDPA's
 time. Counted in the sm_90a PTX (nvcc 13.0; 4 bits, 4 heads), a lane spends ~350
-instructions per 16 keys where ``decode`` spends ~850; 128 registers, no spills
-(``decode``: 255).
+instructions per 16 keys where ``decode`` spends ~850. These timings are of the two-launch
+path (partials kernel + merge kernel), which stays the default: the one-launch path
+(``FUSED_MERGE``) measured 2-5 µs slower per call. Registers at the defaults (nvcc 13.0, sm_90a, bf16,
+D = 128, 4 heads), no spills, the same in both paths: 145 (4 bits) and 168 (8 bits), three
+threadgroups of 128 threads per multiprocessor (``decode``: 255).
+
+One launch: the kernel's one output is ``split_k``'s workspace (the output, the partials
+and one counter per head chunk; ``init_value`` fills it, one MLX fill kernel), and after
+writing its partials each threadgroup fences, counts itself, and the one that counts last
+merges. Against two launches this trades the merge kernel (a second custom-kernel call on
+the host, a second kernel node in MLX's CUDA graph) for the fill, a view of the workspace
+(slice, view, reshape: no copy), and the merge of 4 heads x D by one threadgroup at the
+end of the kernel (8 such threadgroups at the timed shapes, where the merge kernel spreads
+over 32). Results are the same bit for bit in the CPU emulation of the CUDA build.
 """
 
 from __future__ import annotations
@@ -67,13 +79,17 @@ MIN_KEYS_PER_SPLIT = 64
 TARGET_BLOCKS = 396
 """Threadgroups the split count aims at (H200: 132 multiprocessors, 3 per multiprocessor;
 the sweep measured 396 ahead of 528 and 1584)."""
+FUSED_MERGE = False
+"""True: one launch per call, the last threadgroup of each head chunk merges the splits
+(``split_k.FUSED_MERGE_HELPERS``). False (the default): the partials kernel, then
+``split_k``'s merge kernel. Measured on the H200 (``bench/gpu_affine.py``, 2026-11-30)
+the one-launch path is 2-5 µs *slower* per call at 4k-128k (affine4 at 128k: 76.0
+against 71.5 µs; chained as in a decode step 120.3 against 115.2), because MLX starts
+its workspace with a fill kernel (``init_value``), and it saves no host time (graph
+building 31-43 µs per call either way). Kept, checked, for when MLX can start an output
+without filling all of them."""
 
-_PARTIALS = Kernel(
-    name="butter_affine_decode_mma_partials",
-    input_names=("queries", *BUFFERS, "length", "scale"),
-    output_names=("partial_acc", "partial_max", "partial_sum"),
-    mma=True,
-    helpers=CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + r"""
+_HELPERS = CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + r"""
 // A warp step's loads, lane (g, q). Keys: for key block b, keys 16 b + g + 8 r (r < 2)
 // for the scores, KW words from word q KW of the row, KG groups. Values: keys 16 b + 2q +
 // (v % 2) + 8 (v / 2) (v < 4), VW words from word g VW, one group. CLAMP: rows past last
@@ -111,8 +127,9 @@ BT_FUNC void affine_mma_fetch_values(
     b[k] = biases[row * GROUPS];
   }
 }
-""",
-    body=r"""
+"""
+
+_BODY = r"""
   // One threadgroup: one (batch, KV head, HEADS query heads) and one split of the live
   // keys. Warp w takes key blocks w, w + WARPS, ... (KB blocks of 16 keys per step).
   constexpr int NH = (HEADS + 7) / 8;             // column tiles of 8 query heads
@@ -267,37 +284,65 @@ BT_FUNC void affine_mma_fetch_values(
   BT_SHARED float warp_m[WARPS * HEADS];
   BT_SHARED float warp_l[WARPS * HEADS];
   BT_SHARED float warp_acc[WARPS * HEADS * D];
-  mma_write_partials<HEADS, NH, D, WARPS>(
+"""
+"""The kernel up to writing the partials (shared by both kernels below)."""
+
+_PARTIALS = Kernel(
+    name="butter_affine_decode_mma_partials",
+    input_names=("queries", *BUFFERS, "length", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    mma=True,
+    helpers=_HELPERS,
+    body=_BODY + r"""  mma_write_partials<HEADS, NH, D, WARPS>(
       m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
       partial_acc, partial_max, partial_sum);
 """,
 )
+"""Two launches: this kernel's partials, then ``split_k.merge_partials``."""
+
+_FUSED = Kernel(
+    name="butter_affine_decode_mma_fused",
+    input_names=("queries", *BUFFERS, "length", "scale"),
+    output_names=("workspace",),
+    mma=True,
+    atomics=True,
+    helpers=_HELPERS + split_k.FUSED_MERGE_HELPERS,
+    body=_BODY + r"""  const SplitKWorkspace ws = splitk_workspace<T, D>(
+      workspace, queries_shape[0] * queries_shape[1], block.n_splits);
+  mma_write_partials<HEADS, NH, D, WARPS>(
+      m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
+      ws.partial_acc, ws.partial_max, ws.partial_sum);
+  BT_SHARED unsigned int splitk_last;
+  splitk_fused_merge<T, HEADS, D, WARPS>(thread_rank, block, ws, workspace, &splitk_last);
+""",
+)
+"""One launch: the partials go to the workspace and the last threadgroup of each head chunk
+merges them (``split_k.FUSED_MERGE_HELPERS``)."""
 
 
 def decode_attention(
     queries: mx.array,
     key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
     value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
-    *, length: int, scale: float, splits: int | None = None,
+    *, length: int, scale: float, splits: int | None = None, fused_merge: bool | None = None,
 ) -> mx.array:
     """Attention of one query token over the first ``length`` slots of packed K/V buffers,
     on tensor cores; arguments and result as ``decode.decode_attention`` (``supports``
     says which formats). ``splits`` forces the number of key splits (tests use it to
-    make splits that see no key); by default ``split_k.num_splits`` chooses."""
+    make splits that see no key); by default ``split_k.num_splits`` chooses.
+    ``fused_merge``: one launch (the kernel merges its splits) or two (partials, then
+    ``split_k.merge_partials``); by default ``FUSED_MERGE``."""
     fmt = _check_args(queries, key_codes, key_scales, value_codes, length)
     if not supports(fmt, queries.dtype):
         raise ValueError(f"the tensor-core decode kernel does not handle {fmt} with {queries.dtype} queries")
+    fused = FUSED_MERGE if fused_merge is None else fused_merge
     batch, q_heads, _, dims = queries.shape
     launch = split_k.plan(
         batch=batch, q_heads=q_heads, kv_heads=key_codes.shape[1], dims=dims, length=length, warps=WARPS,
         max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
+        splits=splits, fused_merge=queries.dtype if fused else None,
     )
-    if splits is not None:
-        launch = split_k.SplitKLaunch(
-            heads=launch.heads, n_splits=splits, grid=(launch.grid[0], splits, 1), threadgroup=launch.threadgroup,
-            output_shapes=split_k.partial_shapes(batch, q_heads, splits, dims),
-        )
-    partials = _PARTIALS(
+    outputs = (_FUSED if fused else _PARTIALS)(
         inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
                 mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
@@ -307,8 +352,15 @@ def decode_attention(
         threadgroup=launch.threadgroup,
         output_shapes=launch.output_shapes,
         output_dtypes=launch.output_dtypes,
+        init_value=launch.init_value,
     )
-    return split_k.merge_partials(*partials, queries.dtype)
+    return launch.finish(outputs, queries.dtype)
+
+
+def decode_attention_two_launches(*args, **kwargs) -> mx.array:
+    """``decode_attention`` with ``fused_merge=False``: the partials kernel, then the merge
+    kernel (its own ``KernelCheck``, so both paths stay checked)."""
+    return decode_attention(*args, fused_merge=False, **kwargs)
 
 
 def decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:
