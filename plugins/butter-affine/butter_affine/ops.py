@@ -11,8 +11,12 @@ and single-token decode attention. Per backend, from measurement:
 
 CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
 ``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does, and
-the quantized_matmul path decodes as fast as raw SDPA (2k context, 30 layers: 45.7 ms
-against 42.4 for raw; dequantize + SDPA 72.9). In bf16, ``mx.quantized_matmul``
+the quantized_matmul path is the fastest of the three, but ~3x raw SDPA's time
+(``bench/cpu_decode_paths.py``, 30 default-model layers at 1k context, quiet machine,
+2026-11-30: 25-34 ms against 8.3-8.6 for raw; reference dequantize + SDPA 27-48,
+``mx.dequantize`` + SDPA 30-59). An earlier measurement (45.7 against 42.4 ms at 2k)
+did not hold up. This is most of affine's CPU decode tax (0.70x raw's tok/s in
+``butter bench``); MLX's CPU quantized kernels, not butter's code, are the cost. In bf16, ``mx.quantized_matmul``
 computes in bf16 (3e-2 relative error against the float32 reference), so other dtypes
 dequantize to float32 and use SDPA.
 
