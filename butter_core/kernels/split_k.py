@@ -36,6 +36,10 @@ kernel's ``helpers``):
   tensor-core kernels of ``butter_core.kernels.mma``): every thread calls it after a
   barrier that follows the stores.
 
+``MERGE_HELPERS`` (device functions, dialect only): ``splitk_partials_max`` and
+``splitk_partials_sum``, the merge of one (batch, query head)'s split partials that the
+merge kernel and a scheme's own merge (AURA's, which folds in full-precision rows) share.
+
 Partials are ``partial_acc [B, Hq, splits, D]``, ``partial_max`` and ``partial_sum``
 ``[B, Hq, splits]``, all float32 (``SplitKLaunch.output_shapes``/``output_dtypes``); a
 split that saw no key has ``m = -inf, l = 0``. ``merge_partials`` merges them into the
@@ -295,30 +299,50 @@ BT_FUNC void splitk_fused_merge(int rank, SplitKBlock block, SplitKWorkspace w, 
 }
 """
 
+MERGE_HELPERS = r"""
+// ---- merging split partials, butter_core.kernels.split_k ---------------------------
+// The largest running max among the n_splits partials of one (batch, query head), and
+// at least floor (a merge that folds in other states passes their max).
+BT_FUNC float splitk_partials_max(const BT_GLOBAL float* partial_max, int64_t head, int n_splits, float floor) {
+  float m_all = floor;
+  for (int s = 0; s < n_splits; ++s) {
+    const float ms = partial_max[head * n_splits + s];
+    m_all = ms > m_all ? ms : m_all;
+  }
+  return m_all;
+}
+
+// The splits' accumulators of dimension d rescaled to m_all and summed; their rescaled
+// sums are added to *l_all. A split that saw no key (max -inf) contributes nothing.
+BT_FUNC float splitk_partials_sum(
+    const BT_GLOBAL float* partial_acc, const BT_GLOBAL float* partial_max, const BT_GLOBAL float* partial_sum,
+    int64_t head, int n_splits, int dims, int d, float m_all, BT_PRIVATE float* l_all) {
+  float a = 0.0f;
+  for (int s = 0; s < n_splits; ++s) {
+    const int64_t part = head * n_splits + s;
+    const float ms = partial_max[part];
+    const float weight = ms == BT_NEG_INF ? 0.0f : bt_exp2(ms - m_all);
+    *l_all += weight * partial_sum[part];
+    a += weight * partial_acc[part * dims + d];
+  }
+  return a;
+}
+"""
+
 _MERGE = Kernel(
     name="butter_split_k_merge",
     input_names=("partial_acc", "partial_max", "partial_sum"),
     output_names=("out",),
+    helpers=MERGE_HELPERS,
     body="""
   // One threadgroup per (batch, query head), one thread per output dimension.
   const int n_splits = partial_max_shape[2];
   const int dims = partial_acc_shape[3];
   const int64_t head = block_idx.x;
   const int d = thread_idx.x;
-  float m_all = BT_NEG_INF;
-  for (int s = 0; s < n_splits; ++s) {
-    const float ms = partial_max[head * n_splits + s];
-    m_all = ms > m_all ? ms : m_all;
-  }
+  const float m_all = splitk_partials_max(partial_max, head, n_splits, BT_NEG_INF);
   float l_all = 0.0f;
-  float a = 0.0f;
-  for (int s = 0; s < n_splits; ++s) {
-    const int64_t part = head * n_splits + s;
-    const float ms = partial_max[part];
-    const float weight = ms == BT_NEG_INF ? 0.0f : bt_exp2(ms - m_all);
-    l_all += weight * partial_sum[part];
-    a += weight * partial_acc[part * dims + d];
-  }
+  const float a = splitk_partials_sum(partial_acc, partial_max, partial_sum, head, n_splits, dims, d, m_all, &l_all);
   out[head * dims + d] = bt_from_float<T>(a / l_all);
 """,
 )

@@ -198,7 +198,7 @@ _MERGE = Kernel(
         "fp_keys", "fp_values", "recent_slots", "params", "scale",
     ),
     output_names=("out",),
-    helpers=HELPERS,
+    helpers=split_k.MERGE_HELPERS + HELPERS,
     body="""
   // Template: T (query dtype), F (full-precision row dtype), D, ROWS (full-precision
   // rows). One threadgroup of D threads per (batch, query head). params: [live, sinks].
@@ -231,23 +231,13 @@ _MERGE = Kernel(
   }
   BT_BARRIER;
 
-  float m_all = BT_NEG_INF;
-  for (int s = 0; s < n_splits; ++s) {
-    const float ms = partial_max[head * n_splits + s];
-    m_all = ms > m_all ? ms : m_all;
-  }
+  float fp_max = BT_NEG_INF;
   for (int r = 0; r < ROWS; ++r) {
-    m_all = fp_score[r] > m_all ? fp_score[r] : m_all;
+    fp_max = fp_score[r] > fp_max ? fp_score[r] : fp_max;
   }
+  const float m_all = splitk_partials_max(partial_max, head, n_splits, fp_max);
   float l_all = 0.0f;
-  float a = 0.0f;
-  for (int s = 0; s < n_splits; ++s) {
-    const int64_t part = head * n_splits + s;
-    const float ms = partial_max[part];
-    const float weight = ms == BT_NEG_INF ? 0.0f : bt_exp2(ms - m_all);
-    l_all += weight * partial_sum[part];
-    a += weight * partial_acc[part * D + d];
-  }
+  const float a = splitk_partials_sum(partial_acc, partial_max, partial_sum, head, n_splits, D, d, m_all, &l_all);
   // Rotate the coded part back: butterflies, 1/sqrt(D), signs.
   buf[d] = a;
   BT_BARRIER;
