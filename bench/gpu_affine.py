@@ -86,11 +86,6 @@ SWEEPS = (
 )
 """Overrides of ``butter_affine.kernels.decode``'s tunables, each timed alone for affine4 at 128k."""
 TENSOR_CORE_SWEEPS = (
-    {"PREFETCH_L2": 1},
-    {"PREFETCH_L2": 2},
-    {"PREFETCH_L2": 4},
-    {"PREFETCH_L2": 2, "TARGET_BLOCKS": 264},
-    {"PREFETCH_L2": 2, "KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
     {"PREFETCH": True},
     {"KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
     {"KEY_BLOCKS": 4},

@@ -64,11 +64,6 @@ the first, lower-index element, as CUDA's ``__half2`` and Metal's ``half2`` do.
                                           lane), written to be correct, never compiled or
                                           run here (no Apple GPU): a Metal kernel that wants
                                           speed should use ``simdgroup_matrix`` instead.
-    bt_prefetch_l2(p, bytes, lane)        a hint: start bringing device memory ``[p, p + bytes)``
-                                          into the L2 cache, the warp's lanes taking one
-                                          128-byte line each in turn (every lane may call
-                                          it; nothing waits for it). CUDA: ``prefetch.global
-                                          .L2``; Metal: nothing (it has no such hint).
 
 Device-wide synchronisation, in kernels built with ``Kernel(..., atomics=True)`` only (so no
 other kernel's source changes, and Metal kernels without it need no MSL 3.2). Threadgroups
@@ -249,13 +244,6 @@ BT_FUNC uint32_t bt_pack_half2(float lo, float hi) {
   return d;
 }
 BT_FUNC uint32_t bt_byte_perm(uint32_t x, uint32_t y, uint32_t s) { return __byte_perm(x, y, s); }
-BT_FUNC void bt_prefetch_l2(const void* p, int bytes, unsigned int lane) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(127);
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
-  for (uintptr_t line = first + 128 * lane; line < end; line += 128 * BT_WARP_SIZE) {
-    asm volatile("prefetch.global.L2 [%0];" : : "l"(line));
-  }
-}
 BT_FUNC void bt_mma_16x8x16(float* c, const uint32_t* a, const uint32_t* b, unsigned int lane) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -287,7 +275,6 @@ BT_FUNC uint32_t bt_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   }
   return r;
 }
-BT_FUNC void bt_prefetch_l2(const device void* p, int bytes, unsigned int lane) {}
 BT_FUNC float bt_half2_dot(uint32_t x, uint32_t y) {
   const half2 hx = as_type<half2>(x);
   const half2 hy = as_type<half2>(y);

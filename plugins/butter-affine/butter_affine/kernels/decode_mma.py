@@ -75,10 +75,6 @@ PREFETCH = False
 """Load a step's keys during the previous step's softmax and value product (its values
 are always loaded at the top of the step, ahead of its score product); without it, both
 at the top of the step."""
-PREFETCH_L2 = 0
-"""Steps ahead of its loop at which a warp asks the L2 cache for its keys and values
-(``bt_prefetch_l2``: codes, scales and biases of the step's rows), so that its loads
-find them there; 0: no prefetch hints."""
 MIN_KEYS_PER_SPLIT = 64
 TARGET_BLOCKS = 396
 """Threadgroups the split count aims at (H200: 132 multiprocessors, 3 per multiprocessor;
@@ -115,16 +111,6 @@ BT_FUNC void affine_mma_fetch_keys(
       b[k * KG + i] = biases[row * GROUPS + i];
     }
   }
-}
-
-// Rows [row, row + rows) of one tensor's codes, scales and biases, asked of the L2 cache.
-template <int ROW_WORDS, int GROUPS, typename S>
-BT_FUNC void affine_prefetch_rows(
-    const BT_GLOBAL uint32_t* codes, const BT_GLOBAL S* scales, const BT_GLOBAL S* biases,
-    int64_t row, int rows, unsigned int lane) {
-  bt_prefetch_l2(codes + row * ROW_WORDS, rows * ROW_WORDS * 4, lane);
-  bt_prefetch_l2(scales + row * GROUPS, rows * GROUPS * static_cast<int>(sizeof(S)), lane);
-  bt_prefetch_l2(biases + row * GROUPS, rows * GROUPS * static_cast<int>(sizeof(S)), lane);
 }
 
 template <bool CLAMP, int KB, int VW, int ROW_WORDS, int GROUPS, typename S>
@@ -216,24 +202,7 @@ _BODY = r"""
   if (PREFETCH && base < end) {
     AFFINE_MMA_FETCH_KEYS(base)
   }
-  // With PREFETCH_L2, the rows of the step PREFETCH_L2 steps ahead (and, before the loop,
-  // of the steps before it) are asked of the L2 cache.
-#define AFFINE_MMA_PREFETCH_L2(at)                                                             \
-  if ((at) < end) {                                                                            \
-    const int rows = end - (at) < KEYS ? end - (at) : KEYS;                                    \
-    affine_prefetch_rows<ROW_WORDS, GROUPS, S>(                                                \
-        key_codes, key_scales, key_biases, first_row + (at), rows, lane_id);                   \
-    affine_prefetch_rows<ROW_WORDS, GROUPS, S>(                                                \
-        value_codes, value_scales, value_biases, first_row + (at), rows, lane_id);             \
-  }
-#pragma unroll
-  for (int step = 1; step < PREFETCH_L2; ++step) {
-    AFFINE_MMA_PREFETCH_L2(base + step * WARPS * KEYS)
-  }
   for (; base < end; base += WARPS * KEYS) {  // uniform across the warp
-    if (PREFETCH_L2 > 0) {
-      AFFINE_MMA_PREFETCH_L2(base + PREFETCH_L2 * WARPS * KEYS)
-    }
     if (!PREFETCH) {
       AFFINE_MMA_FETCH_KEYS(base)
     }
@@ -378,7 +347,7 @@ def decode_attention(
                 mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
-                  ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH), ("PREFETCH_L2", PREFETCH_L2)],
+                  ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH)],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
         output_shapes=launch.output_shapes,

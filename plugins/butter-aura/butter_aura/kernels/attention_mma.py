@@ -81,9 +81,6 @@ BLOCKS = 2
 """16-key blocks a warp takes per step: more loads in flight, one softmax reduction per step
 (``default_blocks``: 1 where 2 would need more registers than three threadgroups per
 multiprocessor leave)."""
-PREFETCH_L2 = 0
-"""Steps ahead of its loop at which a warp asks the L2 cache for its codes and scales
-(``bt_prefetch_l2``); 0: no prefetch hints."""
 LUT_BYTES = 256 * 256
 """The look-up tables: 256 entries of 256 bytes (32 copies of the key table's 4 bytes, 32
 copies of the value table's 4 bytes or 16 of its 8 bytes)."""
@@ -283,28 +280,8 @@ _BODY = """
   const int src0 = 8 * t + g / 2;
   const uint32_t half_sel = g % 2 ? 0x7632u : 0x5410u;
 
-  // With PREFETCH_L2, a warp asks the L2 cache for the rows of the step PREFETCH_L2 steps
-  // ahead (and, before the loop, of the steps before it).
-  auto prefetch_l2 = [&](int at) {
-    if (at < block.end) {
-      const int n = block.end - at < KEYS ? block.end - at : KEYS;
-      const int64_t row = rows + at;
-      bt_prefetch_l2(reinterpret_cast<const unsigned char*>(key_codes) + row * KWB, n * KWB, lane_id);
-      bt_prefetch_l2(reinterpret_cast<const unsigned char*>(value_codes) + row * VWB, n * VWB, lane_id);
-      bt_prefetch_l2(key_scales + row, n * 2, lane_id);
-      bt_prefetch_l2(value_scales + row, n * 2, lane_id);
-    }
-  };
-#pragma unroll
-  for (int step = 1; step < PREFETCH_L2; ++step) {
-    prefetch_l2(base + step * STEP);
-  }
-
   // The loop bound is uniform across the warp: every lane reaches the MMAs and shuffles.
   for (; base < block.end; base += STEP) {
-    if (PREFETCH_L2 > 0) {
-      prefetch_l2(base + PREFETCH_L2 * STEP);
-    }
     // S^T = K Q^T per key block: A = key levels (rows g and g + 8 = keys g and g + 8),
     // B = the query; C: s[b][0, 1] = key g, heads 2t, 2t+1; s[b][2, 3] = key g + 8.
     // Two accumulation chains per block (even and odd k-steps).
@@ -589,7 +566,6 @@ def partials(
     warps: int = WARPS,
     blocks: int | None = None,
     min_keys: int = MIN_KEYS_PER_SPLIT,
-    prefetch_l2: int | None = None,
     splits: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
@@ -616,7 +592,7 @@ def partials(
         ],
         template=[
             ("T", queries.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits), ("HEADS", launch.heads),
-            ("WARPS", warps), ("BLOCKS", blocks), ("PREFETCH_L2", PREFETCH_L2 if prefetch_l2 is None else prefetch_l2),
+            ("WARPS", warps), ("BLOCKS", blocks),
         ],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
