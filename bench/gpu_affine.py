@@ -86,6 +86,12 @@ SWEEPS = (
 )
 """Overrides of ``butter_affine.kernels.decode``'s tunables, each timed alone for affine4 at 128k."""
 TENSOR_CORE_SWEEPS = (
+    {"SCORE_CHAINS": 2},
+    {"SCORE_CHAINS": 2, "KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
+    {"SCORE_CHAINS": 2, "KEY_BLOCKS": 4, "TARGET_BLOCKS": 264},
+    {"SCORE_CHAINS": 2, "TARGET_BLOCKS": 264},
+    {"READ_ONLY_LOADS": True},
+    {"READ_ONLY_LOADS": True, "SCORE_CHAINS": 2},
     {"PREFETCH": True},
     {"KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
     {"KEY_BLOCKS": 4},

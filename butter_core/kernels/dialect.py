@@ -27,6 +27,9 @@ Functions:
     bt_shuffle_xor(v, mask)               butterfly exchange within a warp
     bt_group_sum<W>(v), bt_group_max<W>(v)   reduce over aligned groups of W lanes
     bt_warp_sum(v), bt_warp_max(v)        reduce over the whole warp
+    bt_read(p)                            ``*p`` for a device pointer to an input the kernel
+                                          never writes, through the read-only data path
+                                          (CUDA: ``__ldg``; Metal: a plain load)
     bt_load<N>(src, dst)                  N consecutive values from global memory into
                                           a float array (16-byte vector loads on CUDA;
                                           src must then be 16-byte aligned)
@@ -166,6 +169,7 @@ BT_FUNC float bt_as_float(uint32_t u) { return as_type<float>(u); }
 BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return simd_shuffle_xor(v, static_cast<ushort>(mask));
 }
+template <typename T> BT_FUNC T bt_read(const device T* p) { return *p; }
 
 template <int N, typename T>
 BT_FUNC void bt_load(const BT_GLOBAL T* src, BT_PRIVATE float* dst) {
@@ -203,6 +207,7 @@ BT_FUNC float bt_as_float(uint32_t u) { return __uint_as_float(u); }
 BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return __shfl_xor_sync(0xffffffffu, v, mask);
 }
+template <typename T> BT_FUNC T bt_read(const T* p) { return __ldg(p); }
 
 template <int N, typename T>
 BT_FUNC void bt_load(const T* src, float* dst) {

@@ -2,8 +2,9 @@
 
 ``CODE_HELPERS`` is kernel-header source in butter's dialect (``butter_core.kernels``):
 
-- ``affine_load_words<WORDS>(src, dst)``: WORDS uint32 from global memory, as 16- or
-  8-byte vector loads where WORDS allows (``src`` must then be that aligned).
+- ``affine_load_words<WORDS, READ_ONLY>(src, dst)``: WORDS uint32 from global memory, as
+  16- or 8-byte vector loads where WORDS allows (``src`` must then be that aligned);
+  through ``bt_read`` (the read-only path) when ``READ_ONLY``.
 - ``affine_unpack<BITS, N>(words, out)``: the N codes of a run that starts on a word
   boundary, as floats, each times ``2^affine_shift<BITS>(i)`` (see below).
 - ``affine_weight<BITS>(i)``: ``2^-affine_shift<BITS>(i)``, the factor that turns
@@ -59,28 +60,30 @@ template <int BITS> BT_FUNC constexpr float affine_weight(int i) {
   return 1.0f / static_cast<float>(1u << affine_shift<BITS>(i));
 }
 
-template <int WORDS>
+template <int WORDS, bool READ_ONLY = false>
 BT_FUNC void affine_load_words(const BT_GLOBAL uint32_t* src, BT_PRIVATE uint32_t* dst) {
   if (WORDS % 4 == 0) {
+    const BT_GLOBAL uint4* vectors = reinterpret_cast<const BT_GLOBAL uint4*>(src);
 #pragma unroll
     for (int c = 0; c < WORDS / 4; ++c) {
-      const uint4 v = reinterpret_cast<const BT_GLOBAL uint4*>(src)[c];
+      const uint4 v = READ_ONLY ? bt_read(vectors + c) : vectors[c];
       dst[4 * c] = v.x;
       dst[4 * c + 1] = v.y;
       dst[4 * c + 2] = v.z;
       dst[4 * c + 3] = v.w;
     }
   } else if (WORDS % 2 == 0) {
+    const BT_GLOBAL uint2* vectors = reinterpret_cast<const BT_GLOBAL uint2*>(src);
 #pragma unroll
     for (int c = 0; c < WORDS / 2; ++c) {
-      const uint2 v = reinterpret_cast<const BT_GLOBAL uint2*>(src)[c];
+      const uint2 v = READ_ONLY ? bt_read(vectors + c) : vectors[c];
       dst[2 * c] = v.x;
       dst[2 * c + 1] = v.y;
     }
   } else {
 #pragma unroll
     for (int c = 0; c < WORDS; ++c) {
-      dst[c] = src[c];
+      dst[c] = READ_ONLY ? bt_read(src + c) : src[c];
     }
   }
 }

@@ -75,6 +75,11 @@ PREFETCH = False
 """Load a step's keys during the previous step's softmax and value product (its values
 are always loaded at the top of the step, ahead of its score product); without it, both
 at the top of the step."""
+READ_ONLY_LOADS = False
+"""Load codes, scales and biases through the read-only data path (``bt_read``)."""
+SCORE_CHAINS = 1
+"""Accumulators per score product: 2 sums even and odd k16 steps apart (then adds them),
+halving the chain of dependent tensor-core instructions for 4 more registers per block."""
 MIN_KEYS_PER_SPLIT = 64
 TARGET_BLOCKS = 396
 """Threadgroups the split count aims at (H200: 132 multiprocessors, 3 per multiprocessor;
@@ -95,7 +100,7 @@ _HELPERS = CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_S
 // (v % 2) + 8 (v / 2) (v < 4), VW words from word g VW, one group. CLAMP: rows past last
 // read row last instead (only the last step of a split needs it), so every value read is
 // a live one; without, row offsets are constants the loads take as immediates.
-template <bool CLAMP, int KB, int KW, int KG, int ROW_WORDS, int GROUPS, typename S>
+template <bool CLAMP, bool RO, int KB, int KW, int KG, int ROW_WORDS, int GROUPS, typename S>
 BT_FUNC void affine_mma_fetch_keys(
     const BT_GLOBAL uint32_t* codes, const BT_GLOBAL S* scales, const BT_GLOBAL S* biases,
     int base, int last, int g, BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
@@ -104,16 +109,16 @@ BT_FUNC void affine_mma_fetch_keys(
   for (int k = 0; k < KB * 2; ++k) {
     const int offset = 16 * (k / 2) + 8 * (k % 2);
     const int64_t row = CLAMP ? (base + g + offset < last ? base + g + offset : last) : first + offset;
-    affine_load_words<KW>(codes + row * ROW_WORDS, words + k * KW);
+    affine_load_words<KW, RO>(codes + row * ROW_WORDS, words + k * KW);
 #pragma unroll
     for (int i = 0; i < KG; ++i) {
-      s[k * KG + i] = scales[row * GROUPS + i];
-      b[k * KG + i] = biases[row * GROUPS + i];
+      s[k * KG + i] = RO ? bt_read(scales + row * GROUPS + i) : scales[row * GROUPS + i];
+      b[k * KG + i] = RO ? bt_read(biases + row * GROUPS + i) : biases[row * GROUPS + i];
     }
   }
 }
 
-template <bool CLAMP, int KB, int VW, int ROW_WORDS, int GROUPS, typename S>
+template <bool CLAMP, bool RO, int KB, int VW, int ROW_WORDS, int GROUPS, typename S>
 BT_FUNC void affine_mma_fetch_values(
     const BT_GLOBAL uint32_t* codes, const BT_GLOBAL S* scales, const BT_GLOBAL S* biases,
     int base, int last, int q, BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
@@ -122,9 +127,9 @@ BT_FUNC void affine_mma_fetch_values(
   for (int k = 0; k < KB * 4; ++k) {
     const int offset = 16 * (k / 4) + (k % 2) + 8 * ((k % 4) / 2);
     const int64_t row = CLAMP ? (base + 2 * q + offset < last ? base + 2 * q + offset : last) : first + offset;
-    affine_load_words<VW>(codes + row * ROW_WORDS, words + k * VW);
-    s[k] = scales[row * GROUPS];
-    b[k] = biases[row * GROUPS];
+    affine_load_words<VW, RO>(codes + row * ROW_WORDS, words + k * VW);
+    s[k] = RO ? bt_read(scales + row * GROUPS) : scales[row * GROUPS];
+    b[k] = RO ? bt_read(biases + row * GROUPS) : biases[row * GROUPS];
   }
 }
 """
@@ -177,18 +182,18 @@ _BODY = r"""
   // The loads of one step (rows clamped only where the step runs past the split's end).
 #define AFFINE_MMA_FETCH_KEYS(at)                                                              \
   if ((at) + KEYS <= end) {                                                                    \
-    affine_mma_fetch_keys<false, KB, KW, KG, ROW_WORDS, GROUPS, S>(                            \
+    affine_mma_fetch_keys<false, READ_ONLY, KB, KW, KG, ROW_WORDS, GROUPS, S>(                            \
         key_codes + k_words, key_scales + k_groups, key_biases + k_groups, at, last, g, kw, ks, kb); \
   } else {                                                                                     \
-    affine_mma_fetch_keys<true, KB, KW, KG, ROW_WORDS, GROUPS, S>(                             \
+    affine_mma_fetch_keys<true, READ_ONLY, KB, KW, KG, ROW_WORDS, GROUPS, S>(                             \
         key_codes + k_words, key_scales + k_groups, key_biases + k_groups, at, last, g, kw, ks, kb); \
   }
 #define AFFINE_MMA_FETCH_VALUES(at)                                                            \
   if ((at) + KEYS <= end) {                                                                    \
-    affine_mma_fetch_values<false, KB, VW, ROW_WORDS, GROUPS, S>(                              \
+    affine_mma_fetch_values<false, READ_ONLY, KB, VW, ROW_WORDS, GROUPS, S>(                              \
         value_codes + v_words, value_scales + v_groups, value_biases + v_groups, at, last, q, vw, vs, vb); \
   } else {                                                                                     \
-    affine_mma_fetch_values<true, KB, VW, ROW_WORDS, GROUPS, S>(                               \
+    affine_mma_fetch_values<true, READ_ONLY, KB, VW, ROW_WORDS, GROUPS, S>(                               \
         value_codes + v_words, value_scales + v_groups, value_biases + v_groups, at, last, q, vw, vs, vb); \
   }
   uint32_t kw[KB * 2 * KW], vw[KB * 4 * VW];
@@ -214,6 +219,9 @@ _BODY = r"""
     for (int b = 0; b < KB; ++b) {
 #pragma unroll
       for (int i = 0; i < NH * 4; ++i) s[b * NH * 4 + i] = 0.0f;
+      float s_odd[NH * 4];  // with SCORE_CHAINS == 2: the odd k16 steps' sums
+#pragma unroll
+      for (int i = 0; i < NH * 4; ++i) s_odd[i] = 0.0f;
       uint32_t scale2[2 * KG], bias2[2 * KG];  // keys g, g + 8: each group's (scale, scale), (bias, bias)
 #pragma unroll
       for (int i = 0; i < 2 * KG; ++i) {
@@ -234,9 +242,14 @@ _BODY = r"""
           const uint32_t a[4] = {upper[2 * h], lower[2 * h], upper[2 * h + 1], lower[2 * h + 1]};
 #pragma unroll
           for (int nh = 0; nh < NH; ++nh) {
-            bt_mma_16x8x16(s + (b * NH + nh) * 4, a, qb + (nh * STEPS + step) * 2, lane_id);
+            float* sums = SCORE_CHAINS == 2 && step % 2 ? s_odd + nh * 4 : s + (b * NH + nh) * 4;
+            bt_mma_16x8x16(sums, a, qb + (nh * STEPS + step) * 2, lane_id);
           }
         }
+      }
+      if (SCORE_CHAINS == 2) {
+#pragma unroll
+        for (int i = 0; i < NH * 4; ++i) s[b * NH * 4 + i] += s_odd[i];
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -347,7 +360,7 @@ def decode_attention(
                 mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
-                  ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH)],
+                  ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS), ("READ_ONLY", READ_ONLY_LOADS)],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
         output_shapes=launch.output_shapes,
