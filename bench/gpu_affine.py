@@ -86,19 +86,16 @@ SWEEPS = (
 )
 """Overrides of ``butter_affine.kernels.decode``'s tunables, each timed alone for affine4 at 128k."""
 TENSOR_CORE_SWEEPS = (
-    {"SCORE_CHAINS": 2},
-    {"SCORE_CHAINS": 2, "KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
-    {"SCORE_CHAINS": 2, "KEY_BLOCKS": 4, "TARGET_BLOCKS": 264},
-    {"SCORE_CHAINS": 2, "TARGET_BLOCKS": 264},
-    {"READ_ONLY_LOADS": True},
-    {"READ_ONLY_LOADS": True, "SCORE_CHAINS": 2},
-    {"PREFETCH": True},
-    {"KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
-    {"KEY_BLOCKS": 4},
-    {"KEY_BLOCKS": 4, "TARGET_BLOCKS": 264},
+    {"READ_ONLY_LOADS": False},
+    {"READ_ONLY_LOADS": False, "SCORE_CHAINS": {4: 1, 8: 1}},
+    {"SCORE_CHAINS": {4: 1, 8: 1}},
+    {"SCORE_CHAINS": {4: 2, 8: 2}},
     {"TARGET_BLOCKS": 264},
+    {"TARGET_BLOCKS": 264, "SCORE_CHAINS": {4: 2, 8: 2}},
     {"TARGET_BLOCKS": 528},
-    {"WARPS": 8, "TARGET_BLOCKS": 264},
+    {"KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
+    {"KEY_BLOCKS": 4, "TARGET_BLOCKS": 264},
+    {"PREFETCH": True},
 )
 """Overrides of ``butter_affine.kernels.decode_mma``'s tunables, each timed alone for affine4
 and affine8 at 128k (in one launch, the default). Registers decide threadgroups per
