@@ -31,17 +31,20 @@ float16 (|x| < 65504); scales below 2^-14 (6.1e-5) lose relative precision as fl
 subnormals.
 
 Speed, measured on the H200 (``bench/gpu_affine.py``, MLX 0.32.4, bf16, batch 1, 32/8
-heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, affine4 79.9 µs with the
-first defaults against 133.6 µs for MLX's SDPA on raw bf16 (0.60x) and 157.3 µs for
-``decode`` (0.51x); affine8 89.5 µs (0.67x raw). The sweep in the same run picked the
-defaults below (``KEY_BLOCKS=2``, no prefetch, 396 threadgroups): affine4 73.2 µs
-(0.55x raw, 2.3 TB/s), affine8 83.5 µs. At 4k and 32k it is within 0-12% of raw SDPA's
-time. Counted in the sm_90a PTX (nvcc 13.0; 4 bits, 4 heads), a lane spends ~350
+heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, affine4 63.0 µs against
+132.9 µs for MLX's SDPA on raw bf16 in the same run (0.47x; 2.7 TB/s), affine8 79.9 µs
+(0.60x); 157 µs for ``decode``. Chained like a decode step's layers, 0.64x / 0.71x. At
+4k and 32k it takes 0.82-0.98x raw SDPA's time. The first defaults took 79.9 µs (affine4)
+and the first sweep's 73.2; read-only loads, two score chains for 8 bits and 264
+threadgroups (the tunables below) brought it to 63.
+
+Counted in the sm_90a PTX (nvcc 13.0; 4 bits, 4 heads), a lane spends ~350
 instructions per 16 keys where ``decode`` spends ~850. These timings are of the two-launch
 path (partials kernel + merge kernel), which stays the default: the one-launch path
 (``FUSED_MERGE``) measured 2-5 µs slower per call. Registers at the defaults (nvcc 13.0, sm_90a, bf16,
-D = 128, 4 heads), no spills, the same in both paths: 145 (4 bits) and 168 (8 bits), three
-threadgroups of 128 threads per multiprocessor (``decode``: 255).
+D = 128, 4 heads), no spills: 148 (4 bits) and 167 (8 bits), room for three threadgroups
+of 128 threads per multiprocessor (``decode``: 255). L2 prefetch hints ahead of each
+warp's loads were tried and measured 15-30% slower (2026-11-30).
 
 One launch: the kernel's one output is ``split_k``'s workspace (the output, the partials
 and one counter per head chunk; ``init_value`` fills it, one MLX fill kernel), and after
@@ -85,9 +88,12 @@ SCORE_CHAINS = {4: 1, 8: 2}
 registers per block. H200, 128k, with read-only loads, two runs: affine8 80.4 / 78.2 µs
 with 2 against 87.0 / 86.0 with 1; affine4 68.7 / 67.9 with 2 against 67.2 / 65.5."""
 MIN_KEYS_PER_SPLIT = 64
-TARGET_BLOCKS = 396
-"""Threadgroups the split count aims at (H200: 132 multiprocessors, 3 per multiprocessor;
-the sweep measured 396 ahead of 528 and 1584)."""
+TARGET_BLOCKS = 264
+"""Threadgroups the split count aims at (H200: 132 multiprocessors, 2 per multiprocessor
+although registers allow 3). The sweeps of 2026-11-30 first picked 396 ahead of 528 and
+1584; with the read-only loads, 264 was as fast or faster in every run (128k, affine4
+64.1 against 67.5 µs, affine8 77.9 against 78.4; before them 68.8 / 70.9 against
+77.0 / 71.3 and 83.0 against 88.3)."""
 FUSED_MERGE = False
 """True: one launch per call, the last threadgroup of each head chunk merges the splits
 (``split_k.FUSED_MERGE_HELPERS``). False (the default): the partials kernel, then
