@@ -25,7 +25,8 @@ Run on a machine with a GPU backend (the lent H200, or Apple silicon), from the 
 3. **other kernels** — a one-token ``encode`` (the append of a decode step) and
    ``dequantize`` of 4k slots (the prefill path).
 4. **tunables** — aura4v2 at 128k through the tensor-core kernel with ``blocks`` (16-key
-   blocks per warp step), ``warps`` or ``min_keys`` (per split) changed, while the time
+   blocks per warp step), ``warps``, ``min_keys`` (per split) or ``read_only`` (loads
+   through the read-only data path) changed, while the time
    budget lasts.
 
 Every section runs in its own try/except, so one failure cannot hide the others
@@ -68,7 +69,8 @@ L2_DEFEAT_BYTES = 256 * 2**20
 MAX_COPIES = 32
 GOAL = 0.35
 METHODS = ("mma", "simt")
-TUNABLES = ({"blocks": 1}, {"warps": 8}, {"min_keys": 64}, {"min_keys": 512})
+TUNABLES = ({"read_only": True}, {"read_only": True, "min_keys": 512}, {"read_only": True, "blocks": 1},
+            {"blocks": 1}, {"warps": 8}, {"min_keys": 64}, {"min_keys": 512})
 TIME_BUDGET_S = 420.0
 """The tunables stop starting new work after this many seconds (a GPU command may run 10 min)."""
 START = time.perf_counter()

@@ -81,6 +81,9 @@ BLOCKS = 2
 """16-key blocks a warp takes per step: more loads in flight, one softmax reduction per step
 (``default_blocks``: 1 where 2 would need more registers than three threadgroups per
 multiprocessor leave)."""
+READ_ONLY_LOADS = False
+"""Load codes and scales through the read-only data path (``bt_read``: CUDA's
+``ld.global.nc``)."""
 LUT_BYTES = 256 * 256
 """The look-up tables: 256 entries of 256 bytes (32 copies of the key table's 4 bytes, 32
 copies of the value table's 4 bytes or 16 of its 8 bytes)."""
@@ -177,9 +180,9 @@ _BODY = """
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          aura_load_bytes<KLB>(codes + (16 * b + 8 * h) * KWB, kc[b][h]);
-          ks[b][h] = bt_to_float(kscales[16 * b + 8 * h]);
-          vs[b][h] = bt_to_float(vscales[16 * b + 8 * h]);
+          aura_load_bytes<KLB, READ_ONLY>(codes + (16 * b + 8 * h) * KWB, kc[b][h]);
+          ks[b][h] = bt_to_float(aura_read<READ_ONLY>(kscales + 16 * b + 8 * h));
+          vs[b][h] = bt_to_float(aura_read<READ_ONLY>(vscales + 16 * b + 8 * h));
         }
       }
     } else {
@@ -188,9 +191,9 @@ _BODY = """
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 8 * h + g, last));
-          aura_load_bytes<KLB>(k_base + key * static_cast<uint32_t>(KWB), kc[b][h]);
-          ks[b][h] = bt_to_float(ks_base[key]);
-          vs[b][h] = bt_to_float(vs_base[key]);
+          aura_load_bytes<KLB, READ_ONLY>(k_base + key * static_cast<uint32_t>(KWB), kc[b][h]);
+          ks[b][h] = bt_to_float(aura_read<READ_ONLY>(ks_base + key));
+          vs[b][h] = bt_to_float(aura_read<READ_ONLY>(vs_base + key));
         }
       }
     }
@@ -202,7 +205,7 @@ _BODY = """
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          aura_load_bytes<VLB>(codes + (16 * b + (i & 1) + 8 * (i >> 1)) * VWB, vc[b][i]);
+          aura_load_bytes<VLB, READ_ONLY>(codes + (16 * b + (i & 1) + 8 * (i >> 1)) * VWB, vc[b][i]);
         }
       }
     } else {
@@ -211,7 +214,7 @@ _BODY = """
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 2 * t + (i & 1) + 8 * (i >> 1), last));
-          aura_load_bytes<VLB>(v_base + key * static_cast<uint32_t>(VWB), vc[b][i]);
+          aura_load_bytes<VLB, READ_ONLY>(v_base + key * static_cast<uint32_t>(VWB), vc[b][i]);
         }
       }
     }
@@ -455,24 +458,29 @@ _BODY = """
 _MMA_HELPERS = r"""
 // ---- AURA tensor-core decode (attention_mma.py) ----
 // N bytes from global memory (N-byte aligned) into 32-bit words (N = 2: one zero-extended word).
-template <int N>
+// RO: through the read-only data path (bt_read).
+template <bool RO, typename T>
+BT_FUNC T aura_read(const T* p) {
+  return RO ? bt_read(p) : *p;
+}
+template <int N, bool RO>
 BT_FUNC void aura_load_bytes(const unsigned char* src, uint32_t* dst) {
   if constexpr (N == 32) {
-    const uint4 a = reinterpret_cast<const uint4*>(src)[0];
-    const uint4 b = reinterpret_cast<const uint4*>(src)[1];
+    const uint4 a = aura_read<RO>(reinterpret_cast<const uint4*>(src));
+    const uint4 b = aura_read<RO>(reinterpret_cast<const uint4*>(src) + 1);
     dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
     dst[4] = b.x; dst[5] = b.y; dst[6] = b.z; dst[7] = b.w;
   } else if constexpr (N == 16) {
-    const uint4 a = *reinterpret_cast<const uint4*>(src);
+    const uint4 a = aura_read<RO>(reinterpret_cast<const uint4*>(src));
     dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
   } else if constexpr (N == 8) {
-    const uint2 a = *reinterpret_cast<const uint2*>(src);
+    const uint2 a = aura_read<RO>(reinterpret_cast<const uint2*>(src));
     dst[0] = a.x; dst[1] = a.y;
   } else if constexpr (N == 4) {
-    dst[0] = *reinterpret_cast<const uint32_t*>(src);
+    dst[0] = aura_read<RO>(reinterpret_cast<const uint32_t*>(src));
   } else {
     static_assert(N == 2, "2, 4, 8, 16 or 32 bytes");
-    dst[0] = *reinterpret_cast<const unsigned short*>(src);
+    dst[0] = aura_read<RO>(reinterpret_cast<const unsigned short*>(src));
   }
 }
 
@@ -566,6 +574,7 @@ def partials(
     warps: int = WARPS,
     blocks: int | None = None,
     min_keys: int = MIN_KEYS_PER_SPLIT,
+    read_only: bool | None = None,
     splits: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
@@ -593,6 +602,7 @@ def partials(
         template=[
             ("T", queries.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits), ("HEADS", launch.heads),
             ("WARPS", warps), ("BLOCKS", blocks),
+            ("READ_ONLY", READ_ONLY_LOADS if read_only is None else read_only),
         ],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
