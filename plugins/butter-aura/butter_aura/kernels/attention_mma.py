@@ -81,9 +81,11 @@ BLOCKS = 2
 """16-key blocks a warp takes per step: more loads in flight, one softmax reduction per step
 (``default_blocks``: 1 where 2 would need more registers than three threadgroups per
 multiprocessor leave)."""
-READ_ONLY_LOADS = False
+READ_ONLY_LOADS = True
 """Load codes and scales through the read-only data path (``bt_read``: CUDA's
-``ld.global.nc``)."""
+``ld.global.nc``). H200, 128k, paired in one run (2026-11-30): aura4v2 87.5 / 85.6 /
+93.4 / 96.4 µs against 90.6 / 96.1 / 95.9 / 99.7 with plain loads, aura4v4 97.2 / 88.1
+against 104.2 / 91.1; aura8v8 mixed (139.8 / 123.9 against 125.8 / 130.3)."""
 LUT_BYTES = 256 * 256
 """The look-up tables: 256 entries of 256 bytes (32 copies of the key table's 4 bytes, 32
 copies of the value table's 4 bytes or 16 of its 8 bytes)."""
