@@ -28,9 +28,9 @@ codes it crashed MLX 0.32.4 (illegal memory access), so it is not used.
 
 The tensor-core kernel (``kernels.decode_mma``) takes 4- and 8-bit codes with float16 or
 bfloat16 queries and scales, and head_dim 64/128/256; 6-bit codes and float32 keep the
-float32 ``decode`` kernel. It does ~0.4x the old kernel's instructions per code and, on
-the H200 at 128k, takes half its time (affine4 79.9 against 157.3 µs, 0.60x raw SDPA;
-``bench/gpu_affine.py``); at 4k and 32k it is 17-35% faster than the old kernel.
+float32 ``decode`` kernel. On the H200 at 128k it takes 0.4x the float32 kernel's time
+(affine4 63.0 against 157.1 µs; 0.47x raw SDPA's 132.9; ``bench/gpu_affine.py``), and
+0.82-0.97x raw's at 4k and 32k.
 """
 
 from __future__ import annotations
