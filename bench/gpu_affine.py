@@ -8,11 +8,9 @@ butter-raw and butter-affine installed:
     python bench/gpu_affine.py --no-checks # timings only
     python bench/gpu_affine.py --only-attention # checks, then single-token attention only
 
-1. Every ``KERNEL_CHECKS`` case (the tensor-core ``decode_attention_mma`` among them, in
-   one launch, and ``decode_attention_mma_two_launches``, the same kernel's partials then
-   ``split_k``'s merge kernel), plus ``decode_attention`` and both tensor-core paths at the
-   timed shapes (4k and 32k; 4/6/8 bits and 4/8 bits; the float32 reference on the CPU
-   makes 128k slow to check):
+1. Every ``KERNEL_CHECKS`` case (the tensor-core ``decode_attention_mma`` among them),
+   plus ``decode_attention`` and ``decode_attention_mma`` at the timed shapes (4k and 32k;
+   4/6/8 bits and 4/8 bits; the float32 reference on the CPU makes 128k slow to check):
    relative error ‖out − ref‖/‖ref‖ on fresh random data, kernel outputs poisoned with
    NaN, each printed ok/FAIL as it finishes. A failed check is reported and its kernel
    still timed.
@@ -20,16 +18,14 @@ butter-raw and butter-affine installed:
    32 query heads, 8 KV heads, head_dim 128, bf16, contexts 4k/32k/128k, of single-token
    attention by five paths: MLX's SDPA on raw bf16 K/V; the fused float32 kernel
    (``decode``) on affine4/6/8 codes; the tensor-core kernel (``decode_mma``) on affine4/8
-   codes, in two launches (its default: partials kernel, then merge kernel) and in one
-   (``FUSED_MERGE = True``: the last threadgroup merges the splits);
-   dequantize kernel + SDPA; mlx-lm's ``mx.quantized_matmul`` path on the same codes.
-   Each with the bytes it must move and the rate that makes (against 4.1 TB/s, the copy
-   rate measured on the H200), and the host's time building the calls' graph per call
-   (not in the amortised time). Consecutive calls read different buffers when one set
-   would fit in L2, as the layers of a decode step do. Raw SDPA and the tensor-core kernel
-   (one launch and two) are also timed *chained*: each call's query is the previous call's
-   output, so calls cannot overlap on the GPU, as a decode step's layers cannot. Then, per
-   context, the tensor-core kernel's one launch against its two, both ways.
+   codes (partials kernel, then merge kernel); dequantize kernel + SDPA; mlx-lm's
+   ``mx.quantized_matmul`` path on the same codes. Each with the bytes it must move and
+   the rate that makes (against 4.1 TB/s, the copy rate measured on the H200), and the
+   host's time building the calls' graph per call (not in the amortised time).
+   Consecutive calls read different buffers when one set would fit in L2, as the layers
+   of a decode step do. Raw SDPA and the tensor-core kernel are also timed *chained*: each
+   call's query is the previous call's output, so calls cannot overlap on the GPU, as a
+   decode step's layers cannot.
 3. A one-token append (quantize kernel + six slice assignments) into a cache holding L
    positions, against butter-raw's append.
 4. The working set of a 30-layer chunked-prefill step over 32k positions (dequantize per
@@ -87,24 +83,22 @@ SWEEPS = (
 """Overrides of ``butter_affine.kernels.decode``'s tunables, each timed alone for affine4 at 128k."""
 TENSOR_CORE_SWEEPS = (
     {"READ_ONLY_LOADS": False},
-    {"READ_ONLY_LOADS": False, "SCORE_CHAINS": {4: 1, 8: 1}},
     {"SCORE_CHAINS": {4: 1, 8: 1}},
     {"SCORE_CHAINS": {4: 2, 8: 2}},
-    {"TARGET_BLOCKS": 264},
-    {"TARGET_BLOCKS": 264, "SCORE_CHAINS": {4: 2, 8: 2}},
+    {"TARGET_BLOCKS": 396},
     {"TARGET_BLOCKS": 528},
     {"KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
-    {"KEY_BLOCKS": 4, "TARGET_BLOCKS": 264},
+    {"KEY_BLOCKS": 4},
     {"PREFETCH": True},
 )
 """Overrides of ``butter_affine.kernels.decode_mma``'s tunables, each timed alone for affine4
-and affine8 at 128k (in one launch, the default). Registers decide threadgroups per
-multiprocessor (nvcc 13.0, sm_90a, bf16, head_dim 128, 4 heads, 4 / 8 bits, the same in
-the one- and two-launch kernels: ``KEY_BLOCKS`` 1: 122 / 125 -> 4 per multiprocessor, so
-528 = one wave on 132; ``KEY_BLOCKS`` 2: 145 / 168 -> 3 / 3, with ``PREFETCH`` 158 / 196
--> 3 / 2; ``KEY_BLOCKS`` 4: 235 / 255, 8 bits spilling 4 bytes), so ``TARGET_BLOCKS`` moves
-with them. The defaults (``KEY_BLOCKS=2``, no prefetch,
-396) won the first H200 sweep (2026-11-30); these try around them."""
+and affine8 at 128k. Registers decide threadgroups per multiprocessor (nvcc 13.0, sm_90a,
+bf16, head_dim 128, 4 heads, 4 / 8 bits: ``KEY_BLOCKS`` 1: 122 / 125 -> 4 per
+multiprocessor, so 528 = one wave on 132; ``KEY_BLOCKS`` 2: 145 / 168 -> 3 / 3, with
+``PREFETCH`` 158 / 196 -> 3 / 2; ``KEY_BLOCKS`` 4: 235 / 255, 8 bits spilling 4 bytes), so
+``TARGET_BLOCKS`` moves with them. The defaults (``KEY_BLOCKS=2``, no prefetch, read-only
+loads, score chains {4: 1, 8: 2}, 264 threadgroups) won the H200 sweeps of 2026-11-30
+(docs/benchmarks.md); these try around them."""
 
 
 def tensor_core(bits: int, group: int) -> bool:
@@ -175,12 +169,12 @@ def amortised_us(build: Callable[[], list[mx.array]]) -> float:
 def run_checks() -> list[dict]:
     cases = [(check, case) for check in KERNEL_CHECKS for case in check.cases]
     attention = next(c for c in KERNEL_CHECKS if c.name == "decode_attention")
-    attention_mma = tuple(c for c in KERNEL_CHECKS if c.name.startswith("decode_attention_mma"))
+    attention_mma = next(c for c in KERNEL_CHECKS if c.name == "decode_attention_mma")
     cases += [
         (check, dict(bits=bits, group_size=group, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                      allocated=length + 256, length=length, dtype=DTYPE))
         for length in CHECK_CONTEXTS for bits, group in SCHEMES.values()
-        for check in (attention, *(attention_mma if tensor_core(bits, group) else ()))
+        for check in (attention, *((attention_mma,) if tensor_core(bits, group) else ()))
     ]
     results = []
     for seed, (check, case) in enumerate(cases):
@@ -191,7 +185,7 @@ def run_checks() -> list[dict]:
         except Exception:  # a compile error must not hide the other kernels' results
             row.update(passed=False, error=traceback.format_exc(limit=4))
         results.append(row)
-        print(f"check {row['kernel']:33s} {'ok  ' if row['passed'] else 'FAIL'} "
+        print(f"check {row['kernel']:20s} {'ok  ' if row['passed'] else 'FAIL'} "
               f"rel_err={row.get('relative_error', float('nan')):.2e} {row['case']}", flush=True)
         if "error" in row:
             print(row["error"], flush=True)
@@ -223,7 +217,7 @@ def time_attention(length: int) -> list[dict]:
     def add(path, us, moved, build_us=float("nan")):
         rows.append({"context": length, "path": path, "us": us, "bytes": moved, "build_us": build_us,
                      "tb_s": moved / us / 1e6, "of_copy_rate": moved / us / 1e6 / COPY_TB_S})
-        print(f"  {length:>7} {path:38s} {us:9.1f} µs  {moved / 1e6:8.1f} MB  {moved / us / 1e6:5.2f} TB/s  "
+        print(f"  {length:>7} {path:28s} {us:9.1f} µs  {moved / 1e6:8.1f} MB  {moved / us / 1e6:5.2f} TB/s  "
               f"(graph building {build_us:5.1f} µs per call)", flush=True)
 
     pairs = [tuple(mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
@@ -254,29 +248,24 @@ def time_attention(length: int) -> list[dict]:
         def matmul(b):
             return quantized_matmul_decode(q, b, length, scale, bits=bits, group_size=group)
 
-        paths = [(f"{name} fused kernel", fused, packed_bytes, {})]
-        if tensor_core(bits, group):  # one launch (the default) and two (partials, then merge kernel)
-            paths.append((f"{name} tensor-core kernel", tensor_core_fused, packed_bytes, {"FUSED_MERGE": True}))
-            paths.append((f"{name} tensor-core two-launch", tensor_core_fused, packed_bytes, {"FUSED_MERGE": False}))
-        paths.append((f"{name} dequantize + SDPA", dequant_sdpa, packed_bytes + 2 * raw_bytes, {}))
+        def independent(fn):
+            """A ``build`` for ``amortised``: CALLS calls of ``fn``, each on the next buffer set."""
+            return lambda: [fn(sets[i % len(sets)]) for i in range(CALLS)]
+
+        paths = [(f"{name} fused kernel", independent(fused), packed_bytes)]
+        if tensor_core(bits, group):  # chained: each call's query is the previous call's output
+            paths.append((f"{name} tensor-core kernel", independent(tensor_core_fused), packed_bytes))
+            paths.append((f"{name} tensor-core chained", chained(q, lambda x, b: tensor_core_fused(b, x), sets),
+                          packed_bytes))
+        paths.append((f"{name} dequantize + SDPA", independent(dequant_sdpa), packed_bytes + 2 * raw_bytes))
         if name not in QUANTIZED_MATMUL_SKIP:
-            paths.append((f"{name} mx.quantized_matmul", matmul, packed_bytes, {}))
-        for path, fn, moved, overrides in paths:
+            paths.append((f"{name} mx.quantized_matmul", independent(matmul), packed_bytes))
+        for path, build, moved in paths:
             try:
-                with overridden(decode_mma, **overrides):
-                    us, build_us = amortised(lambda: [fn(sets[i % len(sets)]) for i in range(CALLS)])
+                us, build_us = amortised(build)
                 add(path, us, moved, build_us)
             except Exception:  # e.g. a kernel that fails to compile: time the other paths
-                print(f"  {length:>7} {path:38s} FAILED\n{traceback.format_exc(limit=4)}", flush=True)
-        if tensor_core(bits, group):  # each call's query is the previous call's output
-            for path, fused_merge in ((f"{name} tensor-core chained", True),
-                                      (f"{name} tensor-core two-launch chained", False)):
-                try:
-                    with overridden(decode_mma, FUSED_MERGE=fused_merge):
-                        us, build_us = amortised(chained(q, lambda x, b: tensor_core_fused(b, x), sets))
-                    add(path, us, packed_bytes, build_us)
-                except Exception:
-                    print(f"  {length:>7} {path:38s} FAILED\n{traceback.format_exc(limit=4)}", flush=True)
+                print(f"  {length:>7} {path:28s} FAILED\n{traceback.format_exc(limit=4)}", flush=True)
         del sets
         gc.collect()
     return rows
@@ -378,9 +367,9 @@ def print_tables() -> None:
     chained_raw = {r["context"]: r["us"] for r in attention if r["path"] == "raw bf16, MLX SDPA chained"}
     print(f"\nsingle-token attention, amortised µs per call ({CALLS} calls per eval), "
           f"B=1 Hq={Q_HEADS} Hkv={KV_HEADS} D={HEAD_DIM} bf16")
-    print(f"{'context':>8} {'path':38s} {'µs':>9} {'MB moved':>9} {'TB/s':>6} {'of 4.1':>7} {'vs raw':>7}")
+    print(f"{'context':>8} {'path':28s} {'µs':>9} {'MB moved':>9} {'TB/s':>6} {'of 4.1':>7} {'vs raw':>7}")
     for r in attention:
-        print(f"{r['context']:>8} {r['path']:38s} {r['us']:>9.1f} {r['bytes'] / 1e6:>9.1f} {r['tb_s']:>6.2f} "
+        print(f"{r['context']:>8} {r['path']:28s} {r['us']:>9.1f} {r['bytes'] / 1e6:>9.1f} {r['tb_s']:>6.2f} "
               f"{r['of_copy_rate']:>7.0%} "
               f"{r['us'] / (chained_raw if r['path'].endswith('chained') else raw)[r['context']]:>7.2f}")
     by = {(r["context"], r["path"]): r["us"] for r in attention}
@@ -393,18 +382,6 @@ def print_tables() -> None:
             tc = by[(131072, f"{name} tensor-core kernel")]
             print(f"at 128k: tensor-core {name} / raw SDPA = {tc / raw[131072]:.2f} (goal <= 0.5); "
                   f"/ fused {name} = {tc / by[(131072, f'{name} fused kernel')]:.2f}")
-    builds = {(r["context"], r["path"]): r["build_us"] for r in attention}
-    print("\ntensor-core kernel, one launch (fused merge) against two (partials, then merge kernel), µs per call:")
-    for context in CONTEXTS:
-        for name in ("affine4", "affine8"):
-            for mode, suffix, base in (("independent", "", raw), ("chained", " chained", chained_raw)):
-                one_path = f"{name} tensor-core{suffix or ' kernel'}"
-                two_path = f"{name} tensor-core two-launch{suffix}"
-                one, two = by.get((context, one_path)), by.get((context, two_path))
-                if one and two and context in base:
-                    print(f"{context:>8} {name} {mode:11s} one {one:6.1f}  two {two:6.1f}  one - two {one - two:+5.1f}"
-                          f"  one / raw SDPA {one / base[context]:.2f}  graph building one "
-                          f"{builds[(context, one_path)]:5.1f} / two {builds[(context, two_path)]:5.1f}")
     if REPORT.get("append"):
         print("\none-token append, amortised µs")
         for r in REPORT["append"]:

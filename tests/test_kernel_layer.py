@@ -15,11 +15,10 @@ from butter_core.kernels import (
     default_device_is_gpu,
     gpu_backend,
     mma,
-    poisoned_outputs,
     relative_error,
     split_k,
 )
-from butter_core.kernels.dialect import ATOMICS_HEADER, HEADER, MMA_HEADER, PREAMBLE
+from butter_core.kernels.dialect import HEADER, MMA_HEADER, PREAMBLE
 
 BACKENDS = ("metal", "cuda")
 MACROS = ("BT_SHARED", "BT_SHARED_PTR", "BT_BARRIER", "BT_GLOBAL", "BT_PRIVATE", "BT_FUNC",
@@ -153,6 +152,12 @@ def test_kernel_names_must_be_unique():
         _kernel("test_layer_unique", body="out[0] = 2 * inp[0];")
 
 
+def test_kernel_definitions_differ_by_vocabulary():
+    Kernel("test_layer_vocab", ["inp"], ["out"], "out[0] = inp[0];")
+    with pytest.raises(ValueError, match="already used"):
+        Kernel("test_layer_vocab", ["inp"], ["out"], "out[0] = inp[0];", mma=True)
+
+
 def test_relative_error_and_check_result():
     ref = mx.array([3.0, 4.0])
     assert relative_error(ref, ref) == 0.0
@@ -196,6 +201,9 @@ def test_split_k_plan():
     one = split_k.plan(batch=1, q_heads=8, kv_heads=8, dims=128, length=1, warps=8,
                        max_heads=4, min_keys=64, target_blocks=512)
     assert (one.heads, one.n_splits, one.grid) == (1, 1, (256 * 8, 1, 1))
+    forced = split_k.plan(batch=2, q_heads=24, kv_heads=2, dims=64, length=777, warps=4,
+                          max_heads=8, min_keys=64, target_blocks=512, splits=3)
+    assert forced.n_splits == 3 and forced.grid[1] == 3 and forced.output_shapes[0] == (2, 24, 3, 64)
 
 
 @no_gpu
@@ -203,89 +211,3 @@ def test_merge_partials_needs_a_gpu():
     partial_max = mx.zeros((1, 2, 3))
     with pytest.raises(KernelUnavailableError):
         split_k.merge_partials(mx.zeros((1, 2, 3, 64)), partial_max, partial_max, mx.float16)
-
-
-ATOMIC_FUNCTIONS = ("bt_fence_device", "bt_atomic_add_device")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_device_wide_synchronisation_is_opt_in(backend):
-    """Only kernels built with ``atomics=True`` get it (Metal needs MSL 3.2 for it)."""
-    for function in ATOMIC_FUNCTIONS:
-        assert re.search(rf"\b{function}\s*\(", ATOMICS_HEADER[backend]), function
-        assert not re.search(rf"\b{function}\s*\(", HEADER[backend] + MMA_HEADER[backend]), function
-    assert re.search(r"^#define BT_NOINLINE\b", ATOMICS_HEADER[backend], re.MULTILINE)
-    both = Kernel("test_layer_atomics", ["inp"], ["out"], "out[0] = inp[0];", helpers="// h\n", mma=True,
-                  atomics=True)
-    assert both.header(backend) == HEADER[backend] + MMA_HEADER[backend] + ATOMICS_HEADER[backend] + both.helpers
-    assert _kernel("test_layer_plain").header(backend) == HEADER[backend]
-
-
-def test_device_wide_synchronisation_is_the_documented_operations():
-    cuda, metal = ATOMICS_HEADER["cuda"], ATOMICS_HEADER["metal"]
-    assert "__threadfence()" in cuda and "atomicAdd(p, v)" in cuda and "__noinline__" in cuda
-    assert "atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)" in metal
-    assert "atomic_fetch_add_explicit(reinterpret_cast<device atomic_uint*>(p), v, memory_order_relaxed)" in metal
-    assert not re.search(r"\buint\b", cuda) and not re.search(r"\binf\b", cuda)
-
-
-def test_kernel_definitions_differ_by_vocabulary():
-    Kernel("test_layer_vocab", ["inp"], ["out"], "out[0] = inp[0];")
-    with pytest.raises(ValueError, match="already used"):
-        Kernel("test_layer_vocab", ["inp"], ["out"], "out[0] = inp[0];", atomics=True)
-
-
-def test_fused_merge_helpers_are_dialect_only_and_ordered():
-    """Fence, barrier, count, fence, flag, barrier, then the merge: the last-threadgroup
-    pattern, in the one text both backends compile."""
-    helpers = split_k.FUSED_MERGE_HELPERS
-    assert "#if" not in helpers and "__METAL_VERSION__" not in helpers and "asm" not in helpers
-    assert "__threadfence" not in helpers and "atomicAdd" not in helpers  # through the dialect only
-    fused = helpers[helpers.index("BT_FUNC void splitk_fused_merge("):]
-    steps = ["bt_fence_device();", "BT_BARRIER;", "if (rank == 0)", "bt_fence_device();", "bt_atomic_add_device(",
-             "bt_fence_device();", "*last =", "BT_BARRIER;", "bt_fence_device();", "splitk_merge_splits<"]
-    at = 0
-    for step in steps:
-        at = fused.index(step, at) + len(step)
-    assert "splitk_merge_splits(" not in split_k.SPLIT_K_HELPERS  # the plain helpers are unchanged
-
-
-def test_split_k_plan_fused_merge():
-    launch = split_k.plan(batch=2, q_heads=24, kv_heads=2, dims=64, length=777, warps=4,
-                          max_heads=8, min_keys=64, target_blocks=512, fused_merge=mx.bfloat16)
-    rows, splits, heads = 48, 13, 6
-    out_words = rows * 64 * 2 // 4
-    assert launch.n_splits == splits and launch.heads == heads
-    words = out_words + rows * splits * 64 + 2 * (rows * splits) + 1 + rows // heads
-    assert split_k.workspace_words(2, 24, splits, 64, heads, mx.bfloat16) == words  # 624 parts: no padding
-    assert launch.output_shapes == ((words,),) and launch.output_dtypes == (mx.float32,)
-    assert launch.fused_merge == mx.bfloat16 and launch.merged_shape == (2, 24, 1, 64)
-    assert launch.init_value == 0.0
-    with poisoned_outputs():
-        assert math.isnan(launch.init_value)
-    plain = split_k.plan(batch=2, q_heads=24, kv_heads=2, dims=64, length=777, warps=4,
-                         max_heads=8, min_keys=64, target_blocks=512)
-    assert plain.init_value is None and plain.fused_merge is None
-    forced = split_k.plan(batch=2, q_heads=24, kv_heads=2, dims=64, length=777, warps=4,
-                          max_heads=8, min_keys=64, target_blocks=512, splits=3)
-    assert forced.n_splits == 3 and forced.grid[1] == 3 and forced.output_shapes[0] == (2, 24, 3, 64)
-
-
-def test_workspace_regions_start_at_16_bytes():
-    # 1 row of 64 float16 dims: 32 output words; 3 splits: 192 acc words, max and sum padded to 4.
-    assert split_k.workspace_words(1, 1, 3, 64, 1, mx.float16) == 32 + 192 + 4 + 4 + 1 + 1
-    assert split_k.workspace_words(1, 2, 1, 64, 2, mx.float32) == 128 + 128 + 4 + 4 + 1 + 1
-
-
-def test_fused_output_is_the_start_of_the_workspace():
-    out = mx.arange(2 * 4 * 64).astype(mx.bfloat16).reshape(2, 4, 1, 64)
-    words = split_k.workspace_words(2, 4, 5, 64, 4, mx.bfloat16)
-    head = mx.view(out.reshape(-1), mx.float32)
-    workspace = mx.concatenate([head, mx.full((words - head.size,), 7.0)])
-    launch = split_k.plan(batch=2, q_heads=4, kv_heads=1, dims=64, length=320, warps=4, max_heads=4,
-                          min_keys=64, target_blocks=10, fused_merge=mx.bfloat16)
-    assert launch.n_splits == 5 and launch.output_shapes == ((words,),)
-    got = launch.finish([workspace], mx.bfloat16)
-    assert got.shape == (2, 4, 1, 64) and got.dtype == mx.bfloat16 and mx.array_equal(got, out).item()
-    with pytest.raises(ValueError, match="merged into"):
-        launch.finish([workspace], mx.float16)

@@ -68,36 +68,6 @@ the first, lower-index element, as CUDA's ``__half2`` and Metal's ``half2`` do.
                                           run here (no Apple GPU): a Metal kernel that wants
                                           speed should use ``simdgroup_matrix`` instead.
 
-Device-wide synchronisation, in kernels built with ``Kernel(..., atomics=True)`` only (so no
-other kernel's source changes, and Metal kernels without it need no MSL 3.2). Threadgroups
-never wait for each other with it (no spinning: they need not run at the same time); it
-is for the "last threadgroup" pattern of CUDA's threadFenceReduction sample, where each
-threadgroup publishes a result, counts itself done, and the one that counts last reads
-everyone's results:
-    bt_fence_device()                     a sequentially consistent memory fence at device
-                                          scope over device memory: this thread's device-
-                                          memory accesses before it are ordered before
-                                          those after it, for every thread of the grid. As
-                                          a release (after writing results, before counting)
-                                          it makes the writes visible device-wide; as an
-                                          acquire (after a count that observed the other
-                                          threadgroups'), later reads see their results.
-                                          CUDA: ``__threadfence()``; Metal: ``atomic_thread_
-                                          fence(mem_flags::mem_device, memory_order_seq_cst,
-                                          thread_scope_device)`` (MSL 3.2).
-    bt_atomic_add_device(p, v)            atomically ``*p += v`` on an ``unsigned int`` in
-                                          device memory, device scope, relaxed (order it with
-                                          ``bt_fence_device``); returns the old value. CUDA:
-                                          ``atomicAdd``; Metal: ``atomic_fetch_add_explicit``
-                                          on ``device atomic_uint*``, ``memory_order_relaxed``.
-    BT_NOINLINE                           qualifier of a helper function that runs rarely (the
-                                          merge of the last threadgroup) and should stay out of
-                                          line, so the caller's register allocation does not
-                                          grow with it. CUDA: ``__device__ __noinline__``;
-                                          Metal: ``inline`` (no such control).
-The Metal side is written from Apple's Metal Shading Language specification and has never
-been compiled or run here (no Apple GPU).
-
 What MLX generates (read from MLX's custom-kernel sources, mlx 0.32):
 - Metal: ``template <typename T, int D, ...> [[kernel]] void custom_kernel_<name>_<hash>(
   const device T* x [[buffer(i)]], const constant int* x_shape, const constant int64_t*
@@ -308,24 +278,6 @@ BT_FUNC void bt_mma_16x8x16(thread float* c, const thread uint32_t* a, const thr
 """The Metal implementation of the tensor-core vocabulary: correct per-lane semantics,
 no speed; not compiled here (no Apple GPU)."""
 
-_CUDA_ATOMICS = r"""
-// ---- device-wide synchronisation (CUDA) ----
-#define BT_NOINLINE __device__ __noinline__
-BT_FUNC void bt_fence_device() { __threadfence(); }
-BT_FUNC unsigned int bt_atomic_add_device(unsigned int* p, unsigned int v) { return atomicAdd(p, v); }
-"""
-
-_METAL_ATOMICS = r"""
-// ---- device-wide synchronisation (Metal, MSL 3.2; never compiled here) ----
-#define BT_NOINLINE inline
-BT_FUNC void bt_fence_device() {
-  metal::atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
-}
-BT_FUNC unsigned int bt_atomic_add_device(device unsigned int* p, unsigned int v) {
-  return atomic_fetch_add_explicit(reinterpret_cast<device atomic_uint*>(p), v, memory_order_relaxed);
-}
-"""
-
 _GROUP_REDUCTIONS = """\
 template <int W> BT_FUNC float bt_group_sum(float v) {
   for (int offset = W / 2; offset > 0; offset /= 2) {
@@ -366,19 +318,12 @@ MMA_HEADER: dict[Backend, str] = {"metal": _METAL_MMA, "cuda": _CUDA_MMA}
 only for kernels built with ``mma=True``, so no other kernel's source changes."""
 
 
-ATOMICS_HEADER: dict[Backend, str] = {"metal": _METAL_ATOMICS, "cuda": _CUDA_ATOMICS}
-"""``bt_fence_device``, ``bt_atomic_add_device`` and ``BT_NOINLINE``: added after ``HEADER`` (and
-``MMA_HEADER``) only for kernels built with ``atomics=True``."""
-
-
 def kernel_source(backend: Backend, body: str) -> str:
     """The source MLX receives for a kernel body: the preamble, then the body."""
     return PREAMBLE[backend] + body
 
 
-def kernel_header(backend: Backend, helpers: str = "", *, mma: bool = False, atomics: bool = False) -> str:
-    """The header MLX receives: the dialect (with the tensor-core vocabulary when ``mma``,
-    the device-wide synchronisation when ``atomics``), then the kernel's own helper
-    functions."""
-    vocabulary = (MMA_HEADER[backend] if mma else "") + (ATOMICS_HEADER[backend] if atomics else "")
-    return HEADER[backend] + vocabulary + helpers
+def kernel_header(backend: Backend, helpers: str = "", *, mma: bool = False) -> str:
+    """The header MLX receives: the dialect (with the tensor-core vocabulary when ``mma``),
+    then the kernel's own helper functions."""
+    return HEADER[backend] + (MMA_HEADER[backend] if mma else "") + helpers

@@ -18,18 +18,12 @@ _POISON = contextvars.ContextVar("butter_poison_outputs", default=False)
 
 # MLX caches compiled CUDA kernels by name (and template values) for the whole
 # process, so two different sources under one name would silently share a binary.
-_DEFINED: dict[str, tuple[str, str, bool, bool]] = {}
+_DEFINED: dict[str, tuple[str, str, bool]] = {}
 
 
 class KernelUnavailableError(RuntimeError):
     """Raised when a kernel is called where it cannot run (no GPU backend, or a
     feature the backend's MLX custom kernels lack)."""
-
-
-def poisoning() -> bool:
-    """Whether kernel outputs are being poisoned (inside ``poisoned_outputs``): a kernel that
-    must pass its own ``init_value`` passes NaN then where it can (``split_k``'s fused merge)."""
-    return _POISON.get()
 
 
 @contextlib.contextmanager
@@ -52,9 +46,8 @@ class Kernel:
     ``output_names``); ``helpers`` is extra header code (device functions, written with
     ``BT_FUNC``). ``shared_memory`` is bytes of dynamic shared memory, which only MLX's
     CUDA kernels support. ``mma`` adds the dialect's tensor-core vocabulary to the header
-    (``bt_mma_16x8x16`` and friends); ``atomics`` adds its device-wide synchronisation
-    (``bt_fence_device``, ``bt_atomic_add_device``). Nothing is compiled until the first
-    call; MLX then compiles once per distinct ``template``.
+    (``bt_mma_16x8x16`` and friends). Nothing is compiled until the first call; MLX then
+    compiles once per distinct ``template``.
     """
 
     def __init__(
@@ -67,9 +60,8 @@ class Kernel:
         helpers: str = "",
         shared_memory: int = 0,
         mma: bool = False,
-        atomics: bool = False,
     ) -> None:
-        definition = (body, helpers, mma, atomics)
+        definition = (body, helpers, mma)
         if _DEFINED.setdefault(name, definition) != definition:
             raise ValueError(
                 f"kernel name {name!r} is already used by a different kernel; MLX caches "
@@ -82,7 +74,6 @@ class Kernel:
         self.helpers = helpers
         self.shared_memory = shared_memory
         self.mma = mma
-        self.atomics = atomics
         self._built: dict[Backend, Any] = {}
 
     def __repr__(self) -> str:
@@ -94,7 +85,7 @@ class Kernel:
 
     def header(self, backend: Backend) -> str:
         """The header source handed to MLX for ``backend``."""
-        return kernel_header(backend, self.helpers, mma=self.mma, atomics=self.atomics)
+        return kernel_header(backend, self.helpers, mma=self.mma)
 
     def unavailable_reason(self) -> str | None:
         """Why this kernel cannot run here, or None when it can."""

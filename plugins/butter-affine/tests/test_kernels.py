@@ -104,8 +104,7 @@ def test_decode_rejects_bad_arguments(bad):
 def test_kernel_bodies_are_one_source_for_both_backends():
     """Each kernel's body and helpers are the same text on Metal and CUDA, with no backend
     switch of their own; only the dialect's preamble and header differ."""
-    for kernel in (quantize._QUANTIZE, dequantize._DEQUANTIZE, decode._PARTIALS, decode_mma._PARTIALS,
-                   decode_mma._FUSED):
+    for kernel in (quantize._QUANTIZE, dequantize._DEQUANTIZE, decode._PARTIALS, decode_mma._PARTIALS):
         metal, cuda = kernel.source("metal"), kernel.source("cuda")
         assert metal.endswith(kernel.body) and cuda.endswith(kernel.body)
         assert kernel.header("metal").endswith(kernel.helpers) and kernel.header("cuda").endswith(kernel.helpers)
@@ -126,18 +125,10 @@ def test_tensor_core_decode_uses_the_shared_pieces():
     helpers = decode_mma._PARTIALS.helpers
     assert decode_mma._PARTIALS.mma
     assert split_k.SPLIT_K_HELPERS in helpers and mma.MMA_SPLIT_K_HELPERS in helpers
-    # The one-launch kernel: the same kernel up to the partials, then split_k's fused merge.
-    fused = decode_mma._FUSED
-    assert fused.mma and fused.atomics and not decode_mma._PARTIALS.atomics
-    assert fused.helpers == helpers + split_k.FUSED_MERGE_HELPERS
-    assert fused.body.startswith(decode_mma._BODY) and decode_mma._PARTIALS.body.startswith(decode_mma._BODY)
-    assert fused.output_names == ("workspace",)
-    assert "splitk_fused_merge<T, HEADS, D, WARPS>(" in fused.body
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_tensor_core_decode_launches_once_with_the_fused_merge(monkeypatch, fused):
-    from butter_core.kernels import Kernel, poisoned_outputs
+def test_tensor_core_decode_launches_partials_then_the_merge(monkeypatch):
+    from butter_core.kernels import Kernel
 
     calls = []
 
@@ -148,22 +139,11 @@ def test_tensor_core_decode_launches_once_with_the_fused_merge(monkeypatch, fuse
 
     monkeypatch.setattr(Kernel, "__call__", record)
     monkeypatch.setattr(Kernel, "unavailable_reason", lambda self: None)
-    monkeypatch.setattr(decode_mma, "FUSED_MERGE", fused)
     inputs = decode_mma.make_check_inputs(0, q_heads=8, kv_heads=2, length=300, allocated=320, splits=3)
     out = decode_mma.decode_attention(**inputs)
     assert out.shape == (1, 8, 1, 128) and out.dtype == mx.bfloat16
-    if fused:
-        words = split_k.workspace_words(1, 8, 3, 128, 4, mx.bfloat16)
-        assert calls == [("butter_affine_decode_mma_fused", ((words,),), 0.0)]
-        with poisoned_outputs():
-            decode_mma.decode_attention(**inputs)
-        assert np.isnan(calls[-1][2])
-    else:
-        assert [name for name, _, _ in calls] == ["butter_affine_decode_mma_partials", "butter_split_k_merge"]
-        assert calls[0][1] == ((1, 8, 3, 128), (1, 8, 3), (1, 8, 3)) and calls[0][2] is None
-    calls.clear()
-    decode_mma.decode_attention(**inputs, fused_merge=not fused)  # the keyword overrides the module flag
-    assert (calls[0][0] == "butter_affine_decode_mma_fused") is (not fused)
+    assert [name for name, _, _ in calls] == ["butter_affine_decode_mma_partials", "butter_split_k_merge"]
+    assert calls[0][1] == ((1, 8, 3, 128), (1, 8, 3), (1, 8, 3)) and calls[0][2] is None
 
 
 def test_tensor_core_checks_cover_every_supported_format():

@@ -1,10 +1,10 @@
 """``decode_attention``: one query token over packed 4- or 8-bit K/V, on tensor cores.
 
-The same split-K flash-decoding as ``decode`` (partials per split of the live keys; the
-same ``plan`` and partials format), then ``split_k``'s merge kernel; optionally in one
-launch (``FUSED_MERGE``: the last threadgroup of each head chunk merges the splits; off
-by default, measured slower). Each warp computes its scores and its value sums as matrix products (``bt_mma_16x8x16``: float16 inputs, float32 sums) in
-the transposed layout that ``butter_core.kernels.mma`` describes: per block of 16 keys,
+The same split-K flash-decoding as ``decode`` (partials per split of the live keys,
+then ``butter_core.kernels.split_k``'s merge kernel; the same ``plan`` and partials
+format), but each warp computes its scores and its value sums as matrix products
+(``bt_mma_16x8x16``: float16 inputs, float32 sums) in the transposed layout that
+``butter_core.kernels.mma`` describes: per block of 16 keys,
 
     Sᵀ[16 keys, heads]  = K[16 keys, D] · Qᵀ             (D / 16 products)
     Oᵀ[16 dims, heads] += Vᵀ[16 dims, 16 keys] · Pᵀ      (D / 16 products)
@@ -39,21 +39,13 @@ and the first sweep's 73.2; read-only loads, two score chains for 8 bits and 264
 threadgroups (the tunables below) brought it to 63.
 
 Counted in the sm_90a PTX (nvcc 13.0; 4 bits, 4 heads), a lane spends ~350
-instructions per 16 keys where ``decode`` spends ~850. These timings are of the two-launch
-path (partials kernel + merge kernel), which stays the default: the one-launch path
-(``FUSED_MERGE``) measured 2-5 µs slower per call. Registers at the defaults (nvcc 13.0, sm_90a, bf16,
-D = 128, 4 heads), no spills: 148 (4 bits) and 167 (8 bits), room for three threadgroups
-of 128 threads per multiprocessor (``decode``: 255). L2 prefetch hints ahead of each
-warp's loads were tried and measured 15-30% slower (2026-11-30).
-
-One launch: the kernel's one output is ``split_k``'s workspace (the output, the partials
-and one counter per head chunk; ``init_value`` fills it, one MLX fill kernel), and after
-writing its partials each threadgroup fences, counts itself, and the one that counts last
-merges. Against two launches this trades the merge kernel (a second custom-kernel call on
-the host, a second kernel node in MLX's CUDA graph) for the fill, a view of the workspace
-(slice, view, reshape: no copy), and the merge of 4 heads x D by one threadgroup at the
-end of the kernel (8 such threadgroups at the timed shapes, where the merge kernel spreads
-over 32). Results are the same bit for bit in the CPU emulation of the CUDA build.
+instructions per 16 keys where ``decode`` spends ~850. Registers at the defaults (nvcc
+13.0, sm_90a, bf16, D = 128, 4 heads), no spills: 148 (4 bits) and 167 (8 bits), room for
+three threadgroups of 128 threads per multiprocessor (``decode``: 255). L2 prefetch hints
+ahead of each warp's loads were tried and measured 15-30% slower (2026-11-30). A
+one-launch merge (the last threadgroup of each head chunk merging the splits) was tried
+and measured 2-6 µs slower per call on the H200 (2026-11-30), because MLX fills such an
+output with a separate kernel.
 """
 
 from __future__ import annotations
@@ -94,17 +86,13 @@ although registers allow 3). The sweeps of 2026-11-30 first picked 396 ahead of 
 1584; with the read-only loads, 264 was as fast or faster in every run (128k, affine4
 64.1 against 67.5 µs, affine8 77.9 against 78.4; before them 68.8 / 70.9 against
 77.0 / 71.3 and 83.0 against 88.3)."""
-FUSED_MERGE = False
-"""True: one launch per call, the last threadgroup of each head chunk merges the splits
-(``split_k.FUSED_MERGE_HELPERS``). False (the default): the partials kernel, then
-``split_k``'s merge kernel. Measured on the H200 (``bench/gpu_affine.py``, 2026-11-30)
-the one-launch path is 2-5 µs *slower* per call at 4k-128k (affine4 at 128k: 76.0
-against 71.5 µs; chained as in a decode step 120.3 against 115.2), because MLX starts
-its workspace with a fill kernel (``init_value``), and it saves no host time (graph
-building 31-43 µs per call either way). Kept, checked, for when MLX can start an output
-without filling all of them."""
 
-_HELPERS = CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + r"""
+_PARTIALS = Kernel(
+    name="butter_affine_decode_mma_partials",
+    input_names=("queries", *BUFFERS, "length", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    mma=True,
+    helpers=CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + r"""
 // A warp step's loads, lane (g, q). Keys: for key block b, keys 16 b + g + 8 r (r < 2)
 // for the scores, KW words from word q KW of the row, KG groups. Values: keys 16 b + 2q +
 // (v % 2) + 8 (v / 2) (v < 4), VW words from word g VW, one group. CLAMP: rows past last
@@ -142,9 +130,8 @@ BT_FUNC void affine_mma_fetch_values(
     b[k] = RO ? bt_read(biases + row * GROUPS) : biases[row * GROUPS];
   }
 }
-"""
-
-_BODY = r"""
+""",
+    body=r"""
   // One threadgroup: one (batch, KV head, HEADS query heads) and one split of the live
   // keys. Warp w takes key blocks w, w + WARPS, ... (KB blocks of 16 keys per step).
   constexpr int NH = (HEADS + 7) / 8;             // column tiles of 8 query heads
@@ -307,65 +294,33 @@ _BODY = r"""
   BT_SHARED float warp_m[WARPS * HEADS];
   BT_SHARED float warp_l[WARPS * HEADS];
   BT_SHARED float warp_acc[WARPS * HEADS * D];
-"""
-"""The kernel up to writing the partials (shared by both kernels below)."""
-
-_PARTIALS = Kernel(
-    name="butter_affine_decode_mma_partials",
-    input_names=("queries", *BUFFERS, "length", "scale"),
-    output_names=("partial_acc", "partial_max", "partial_sum"),
-    mma=True,
-    helpers=_HELPERS,
-    body=_BODY + r"""  mma_write_partials<HEADS, NH, D, WARPS>(
+  mma_write_partials<HEADS, NH, D, WARPS>(
       m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
       partial_acc, partial_max, partial_sum);
 """,
 )
-"""Two launches: this kernel's partials, then ``split_k.merge_partials``."""
-
-_FUSED = Kernel(
-    name="butter_affine_decode_mma_fused",
-    input_names=("queries", *BUFFERS, "length", "scale"),
-    output_names=("workspace",),
-    mma=True,
-    atomics=True,
-    helpers=_HELPERS + split_k.FUSED_MERGE_HELPERS,
-    body=_BODY + r"""  const SplitKWorkspace ws = splitk_workspace<T, D>(
-      workspace, queries_shape[0] * queries_shape[1], block.n_splits);
-  mma_write_partials<HEADS, NH, D, WARPS>(
-      m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
-      ws.partial_acc, ws.partial_max, ws.partial_sum);
-  BT_SHARED unsigned int splitk_last;
-  splitk_fused_merge<T, HEADS, D, WARPS>(thread_rank, block, ws, workspace, &splitk_last);
-""",
-)
-"""One launch: the partials go to the workspace and the last threadgroup of each head chunk
-merges them (``split_k.FUSED_MERGE_HELPERS``)."""
 
 
 def decode_attention(
     queries: mx.array,
     key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
     value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
-    *, length: int, scale: float, splits: int | None = None, fused_merge: bool | None = None,
+    *, length: int, scale: float, splits: int | None = None,
 ) -> mx.array:
     """Attention of one query token over the first ``length`` slots of packed K/V buffers,
     on tensor cores; arguments and result as ``decode.decode_attention`` (``supports``
     says which formats). ``splits`` forces the number of key splits (tests use it to
-    make splits that see no key); by default ``split_k.num_splits`` chooses.
-    ``fused_merge``: one launch (the kernel merges its splits) or two (partials, then
-    ``split_k.merge_partials``); by default ``FUSED_MERGE``."""
+    make splits that see no key); by default ``split_k.num_splits`` chooses."""
     fmt = _check_args(queries, key_codes, key_scales, value_codes, length)
     if not supports(fmt, queries.dtype):
         raise ValueError(f"the tensor-core decode kernel does not handle {fmt} with {queries.dtype} queries")
-    fused = FUSED_MERGE if fused_merge is None else fused_merge
     batch, q_heads, _, dims = queries.shape
     launch = split_k.plan(
         batch=batch, q_heads=q_heads, kv_heads=key_codes.shape[1], dims=dims, length=length, warps=WARPS,
         max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
-        splits=splits, fused_merge=queries.dtype if fused else None,
+        splits=splits,
     )
-    outputs = (_FUSED if fused else _PARTIALS)(
+    partials = _PARTIALS(
         inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
                 mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
@@ -375,15 +330,8 @@ def decode_attention(
         threadgroup=launch.threadgroup,
         output_shapes=launch.output_shapes,
         output_dtypes=launch.output_dtypes,
-        init_value=launch.init_value,
     )
-    return launch.finish(outputs, queries.dtype)
-
-
-def decode_attention_two_launches(*args, **kwargs) -> mx.array:
-    """``decode_attention`` with ``fused_merge=False``: the partials kernel, then the merge
-    kernel (its own ``KernelCheck``, so both paths stay checked)."""
-    return decode_attention(*args, fused_merge=False, **kwargs)
+    return split_k.merge_partials(*partials, queries.dtype)
 
 
 def decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:
