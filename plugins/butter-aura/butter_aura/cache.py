@@ -39,9 +39,11 @@ class AuraCache(BufferedSlotCache):
     Re-encoding a slot writes whole new code words, so nothing of a slot's previous
     contents survives (window eviction overwrites slots).
 
-    ``ops`` runs encode/decode_attention/dequantize: ``butter_aura.reference`` (pure mx,
-    the default) or ``butter_aura.kernels.GPU_OPS``, as ``kernels.ops_for`` picks when
-    the scheme creates caches. ``seed`` is the base seed of the layer's rotation.
+    ``ops`` runs encode/decode_attention/dequantize: ``kernels.ops_for(spec)`` picks, when
+    the scheme creates caches, ``butter_aura.kernels.GPU_OPS`` on a GPU that serves the
+    head size, else ``butter_aura.cpu`` (pure mx, fast on the CPU); ``butter_aura.reference``
+    (pure mx, readable, what both are checked against) when none is given. ``seed`` is the
+    base seed of the layer's rotation.
     """
 
     def __init__(self, spec: LayerSpec, kind: Aura, *, seed: int = DEFAULT_SEED, ops=None):
@@ -136,6 +138,7 @@ class AuraCache(BufferedSlotCache):
             value_codec=self.value_codec,
             rotation=self.rotation,
             recent_range=self._recent_slot_range(),
+            recent_host=tuple(self._recent_host),
         )
 
     def load(self, length):

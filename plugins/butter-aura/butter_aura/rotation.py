@@ -14,6 +14,8 @@ Signs and permutation come from ``mx.random`` under a key made from an integer s
 in a cache's meta state rebuilds the same rotation on restore. Nothing but the signs
 (and, for other head sizes, the permutations) is stored: the transform runs as
 ``log2(head_dim)`` butterfly stages, here in pure mx and in the kernels in shared memory.
+The CPU path (``butter_aura.cpu``) runs the stages as one matmul instead, where that
+costs less than their many small ops (``mixing_matrix``).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class Rotation:
     permutation: mx.array | None = attrs.field(init=False)
     """``[heads, dims]`` int32, or None when ``dims`` is a power of two (identity)."""
     inverse_permutation: mx.array | None = attrs.field(init=False)
+    mixing: mx.array | None = attrs.field(init=False, default=None)
+    """``mixing_matrix()`` once built, else None."""
 
     def __attrs_post_init__(self):
         sign_key, perm_key = mx.random.split(mx.random.key(self.seed))
@@ -100,7 +104,7 @@ class Rotation:
 
     def arrays(self) -> list[mx.array]:
         """Every array this rotation holds (for byte accounting)."""
-        return [a for a in (self.signs, self.permutation, self.inverse_permutation) if a is not None]
+        return [a for a in (self.signs, self.permutation, self.inverse_permutation, self.mixing) if a is not None]
 
     def apply(self, x: mx.array) -> mx.array:
         """``R x`` per head: rotated vectors, float32."""
@@ -117,6 +121,24 @@ class Rotation:
         return z * self.signs[:, None, :]
 
     def matrices(self) -> mx.array:
-        """``[heads, dims, dims]`` dense ``R`` (for tests and analysis; the cache never builds it)."""
+        """``[heads, dims, dims]`` dense ``R`` (for tests and analysis)."""
         eye = mx.broadcast_to(mx.eye(self.dims, dtype=mx.float32), (self.heads, self.dims, self.dims))
         return self.apply(eye).swapaxes(-1, -2)
+
+    def mixing_matrix(self) -> mx.array:
+        """``M`` with ``apply(x) == (x * signs) @ M`` and ``invert(y) == (y @ Mᵀ) * signs``, per head.
+
+        The permutation and Hadamard stages as one matrix on row vectors, for the CPU
+        path, where a small matmul costs less than the stages' many small ops: for a
+        power-of-two ``dims`` the normalized Hadamard matrix ``[dims, dims]`` (symmetric;
+        16 KB at 64), otherwise ``[heads, dims, dims]`` ``diag(signs) Rᵀ``. Built on first
+        use and kept, counted by ``arrays``; the GPU kernels never build it.
+        """
+        if self.mixing is None:
+            if is_power_of_two(self.dims):
+                mixing = fwht(mx.eye(self.dims, dtype=mx.float32))
+            else:
+                mixing = self.signs[:, :, None] * self.matrices().swapaxes(-1, -2)
+            mx.eval(mixing)
+            object.__setattr__(self, "mixing", mixing)
+        return self.mixing

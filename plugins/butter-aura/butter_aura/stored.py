@@ -40,6 +40,9 @@ class StoredLayer:
     recent_range: tuple[int, int] | None = None
     """Smallest and largest slot in ``recent_slots`` if known on the host (the kernels
     skip their ring look-up outside it); None: read from the array when needed."""
+    recent_host: tuple[int, ...] | None = None
+    """``recent_slots`` as known on the host (the CPU path finds the full-precision slots
+    without reading the array); None: read from the array when needed."""
 
     def __attrs_post_init__(self):
         if not 0 <= self.length <= self.key_codes.shape[2]:
@@ -63,3 +66,14 @@ class StoredLayer:
         residue = mx.where(sink, 0, slots - self.sinks) % self.ring
         member = sink | (mx.take(self.recent_slots, residue) == slots)
         return member, mx.where(sink, slots, self.sinks + residue)
+
+    def full_precision_slots(self) -> tuple[list[int], list[int]]:
+        """``full_precision_map`` on the host: the slots of ``[0, length)`` read in full precision, and their rows."""
+        sinks = min(self.sinks, self.length)
+        slots, rows = list(range(sinks)), list(range(sinks))
+        recent = self.recent_host if self.recent_host is not None else self.recent_slots.tolist()
+        for residue, slot in enumerate(recent):
+            if self.sinks <= slot < self.length and (slot - self.sinks) % self.ring == residue:
+                slots.append(slot)
+                rows.append(self.sinks + residue)
+        return slots, rows

@@ -10,7 +10,7 @@ from butter_core import LayerSpec
 from butter_core.cache import reference_attention
 from butter_core.kernels import gpu_backend, relative_error
 
-from butter_aura import reference
+from butter_aura import cpu, reference
 from butter_aura.kernels import GPU_OPS, KERNEL_CHECKS, attention, attention_mma, checks, encode, ops_for
 
 CASES = [pytest.param(check, case, id=f"{check.name}-{i}") for check in KERNEL_CHECKS for i, case in enumerate(check.cases)]
@@ -56,10 +56,10 @@ def test_full_precision_rows_are_read_instead_of_codes():
     assert relative_error(reference.decode_attention(**inputs), expected) < 1e-5
 
 
-def test_cpu_caches_use_the_references():
+def test_caches_without_a_kernel_use_the_cpu_path():
     if gpu_backend() is None or mx.default_device().type != mx.gpu:
-        assert ops_for(LayerSpec(n_kv_heads=2, head_dim=128, max_positions=16)) is reference
-    assert ops_for(LayerSpec(n_kv_heads=2, head_dim=96, max_positions=16)) is reference
+        assert ops_for(LayerSpec(n_kv_heads=2, head_dim=128, max_positions=16)) is cpu
+    assert ops_for(LayerSpec(n_kv_heads=2, head_dim=96, max_positions=16)) is cpu
 
 
 def test_kernel_wrappers_reject_what_they_do_not_serve():

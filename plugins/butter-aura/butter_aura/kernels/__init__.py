@@ -21,7 +21,7 @@ import types
 from butter_core.cache import LayerSpec
 from butter_core.kernels import default_device_is_gpu
 
-from butter_aura import reference
+from butter_aura import cpu
 from butter_aura.kernels import attention, dequantize, encode
 from butter_aura.kernels.checks import KERNEL_CHECKS
 
@@ -38,10 +38,11 @@ def available() -> bool:
 
 def ops_for(spec: LayerSpec):
     """The kernels where MLX's default device is a GPU that runs them and ``head_dim`` is one they
-    serve (64, 128); the pure-mx reference otherwise. Decided once, when a cache is made."""
+    serve (64, 128); the pure-mx CPU path (``butter_aura.cpu``) otherwise. Decided once, when a
+    cache is made."""
     if default_device_is_gpu() and available() and spec.head_dim in attention.SUPPORTED_HEAD_DIMS:
         return GPU_OPS
-    return reference
+    return cpu
 
 
 __all__ = ["GPU_OPS", "KERNEL_CHECKS", "available", "ops_for"]

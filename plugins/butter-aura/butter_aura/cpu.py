@@ -1,0 +1,339 @@
+"""AURA's three operations in pure mx, fast on the CPU: the path wherever no GPU kernel applies.
+
+Same signatures and results as ``butter_aura.reference`` (to float32 rounding; codes
+identical but for coordinates within a rounding of a decision boundary), which stays the
+readable reference that this module and the kernels are checked against. On the CPU a
+decode step costs MLX's per-op overhead plus elementwise work, and MLX's gather costs
+~20 elementwise ops per element. Hence:
+
+* the rotation is a sign flip and one matmul (``Rotation.mixing_matrix``) instead of
+  ``log2(head_dim)`` butterfly stages;
+* codes are counted as a compiled sum of comparisons with the boundaries (the count the
+  reference's binary search finds), and a decode step's one-token encode runs compiled;
+* codes become levels through a compiled tree of selects on their bits, not a gather,
+  reading 2- and 4-bit codes straight from the words' bytes into *planes* (plane ``k``
+  of ``n`` holds coordinates ``k, k + n, ...``), which products use as they are;
+* decode attention reads the codes of the span between the sinks and the recent ring
+  (the full-precision slots are known on the host: ``StoredLayer.full_precision_slots``)
+  and the full-precision rows as they are, under one softmax, instead of gathering the
+  rows to full length; a scale per vector multiplies ``[query, slot]`` products rather
+  than every decoded coordinate.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+
+import attrs
+import mlx.core as mx
+
+from butter_aura import packing
+from butter_aura.codebooks import Codebook
+from butter_aura.codec import _FLOAT16_MAX, SCALE_DTYPE, Codec, nearest_level
+from butter_aura.rotation import Rotation
+from butter_aura.stored import StoredLayer
+
+MAX_SELECT_BITS = 4
+"""Widest codes handled by compiled elementwise kernels: levels by a tree of selects
+(``_compiled_lookup``), codes by a sum of comparisons (``_compiled_count``). Wider codes
+(255 selects or comparisons per element: no faster, and a kernel that took 80 s to
+compile) keep a gather, and broadcast comparisons or the binary search."""
+
+COMPARISONS_AT_ONCE = 1 << 20
+"""Largest ``elements × boundaries`` that ``_nearest_level`` codes by one broadcast
+comparison when codes are wider than ``MAX_SELECT_BITS``."""
+
+
+# -- encode ------------------------------------------------------------------------
+
+
+def encode(
+    keys: mx.array, values: mx.array, rotation: Rotation, key_codec: Codec, value_codec: Codec
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Key codes, key scales, value codes, value scales of ``[batch, kv_heads, tokens, head_dim]`` rows.
+
+    A decode step's single token runs compiled (``_compiled_encoder``); longer chunks,
+    whose lengths vary and whose ops are shared by many rows, run op by op.
+    """
+    signs, mixing = _signs(rotation), rotation.mixing_matrix()
+    if keys.shape[2] == 1:
+        return _compiled_encoder(attrs.astuple(key_codec, recurse=False), attrs.astuple(value_codec, recurse=False))(
+            keys, values, signs, mixing
+        )
+    return _rotate_and_code(keys, values, signs, mixing, key_codec, value_codec)
+
+
+def _rotate_and_code(
+    keys: mx.array, values: mx.array, signs: mx.array, mixing: mx.array, key_codec: Codec, value_codec: Codec
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """``encode`` given the rotation as signs and mixing matrix (``_rotated``)."""
+    key_codes, key_scales = _code(key_codec, _rotated(keys, signs, mixing))
+    value_codes, value_scales = _code(value_codec, _rotated(values, signs, mixing))
+    return key_codes, key_scales, value_codes, value_scales
+
+
+@functools.cache
+def _compiled_encoder(key_fields: tuple, value_fields: tuple) -> Callable:
+    """``_rotate_and_code`` compiled for one pair of codecs, named by their fields so that every layer shares it."""
+    coder = functools.partial(_rotate_and_code, key_codec=Codec(*key_fields), value_codec=Codec(*value_fields))
+    return mx.compile(coder)
+
+
+def _code(codec: Codec, rotated: mx.array) -> tuple[mx.array, mx.array]:
+    """``codec.encode(rotated)``, op for op, but with the levels found by ``_nearest_level``."""
+    lead = rotated.shape[:-1]
+    y = rotated.reshape(*lead, codec.groups, codec.group)
+    rms = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True))
+    t = y / mx.where(rms > 0, rms, 1.0)
+    index = _nearest_level(t, codec.book)
+    chosen = _levels_of(codec.book, index)
+    scale = mx.sum(y * chosen, axis=-1) / mx.maximum(mx.sum(chosen * chosen, axis=-1), 1e-30)
+    scale = mx.clip(scale, -_FLOAT16_MAX, _FLOAT16_MAX).astype(SCALE_DTYPE)
+    return packing.pack(index.reshape(*lead, codec.head_dim), codec.bits), scale
+
+
+def _nearest_level(t: mx.array, book: Codebook) -> mx.array:
+    """``codec.nearest_level``: per element, the number of ``book``'s boundaries below it.
+
+    Up to ``MAX_SELECT_BITS`` a compiled sum of comparisons (``_compiled_count``); wider
+    codes by one broadcast comparison against every boundary where that is small (a
+    decode step's token), else by the codec's binary search, which allocates less.
+    """
+    if book.bits <= MAX_SELECT_BITS:
+        return _compiled_count(book)(t)
+    boundaries = book.boundaries_array()
+    if t.size * boundaries.size > COMPARISONS_AT_ONCE:
+        return nearest_level(t, boundaries, book.bits)
+    return mx.sum(t[..., None] > boundaries, axis=-1)
+
+
+@functools.cache
+def _compiled_count(book: Codebook) -> Callable[[mx.array], mx.array]:
+    """Per element, the number of ``book``'s boundaries below it (uint32), in one shapeless kernel."""
+    return mx.compile(
+        lambda t: functools.reduce(mx.add, [(t > boundary).astype(mx.uint32) for boundary in book.boundaries]),
+        shapeless=True,
+    )
+
+
+# -- rotation -------------------------------------------------------------------------
+
+
+def _signs(rotation: Rotation) -> mx.array:
+    """The rotation's signs shaped to multiply ``[..., heads, rows, head_dim]`` arrays."""
+    return rotation.signs[:, None, :]
+
+
+def _rotated(x: mx.array, signs: mx.array, mixing: mx.array) -> mx.array:
+    """``Rotation.apply``: ``(x * signs) @ M``, float32."""
+    return (x.astype(mx.float32) * signs) @ mixing
+
+
+def _unrotated(y: mx.array, signs: mx.array, mixing: mx.array) -> mx.array:
+    """``Rotation.invert``: ``(y @ Mᵀ) * signs``."""
+    return (y @ mixing.swapaxes(-1, -2)) * signs
+
+
+# -- decoding codes ------------------------------------------------------------------
+
+
+def _level_planes(codec: Codec, codes: mx.array) -> list[mx.array]:
+    """The levels (float32) of packed code words ``[..., words]``, as planes.
+
+    With ``n`` planes, plane ``k`` ``[..., head_dim // n]`` holds coordinates ``k, k + n,
+    k + 2n, ...``: the packing is one little-endian bit stream, so each byte of the words
+    holds ``n = 8 // bits`` whole 2- or 4-bit codes, and one compiled kernel turns the
+    bytes into ``n`` planes without the strided copy that interleaving them would cost.
+    8-bit codes are the bytes themselves (one plane, by a gather); 3-bit codes, which
+    straddle bytes, are unpacked first (one plane).
+    """
+    book, dims = codec.book, codec.head_dim
+    per_byte = 8 // book.bits
+    if 8 % book.bits or dims % per_byte:
+        return [_levels_of(book, packing.unpack(codes, book.bits, dims))]
+    code_bytes = codes.view(mx.uint8)
+    if per_byte == 1:
+        planes = [_levels_of(book, code_bytes)]
+    else:
+        planes = _compiled_lookup(book, tuple(range(0, 8, book.bits)))(code_bytes)
+    width = dims // per_byte
+    return planes if code_bytes.shape[-1] == width else [plane[..., :width] for plane in planes]
+
+
+def _levels_of(book: Codebook, codes: mx.array) -> mx.array:
+    """``book.levels_array()[codes]``: by ``_compiled_lookup`` up to ``MAX_SELECT_BITS``, else by a gather."""
+    if book.bits > MAX_SELECT_BITS:
+        return mx.take(book.levels_array(), codes)
+    return _compiled_lookup(book, (0,))(codes)[0]
+
+
+@functools.cache
+def _compiled_lookup(book: Codebook, shifts: tuple[int, ...]) -> Callable[[mx.array], list[mx.array]]:
+    """For each shift, the levels of the codes in the low ``book.bits`` bits of ``codes >> shift``.
+
+    A tree of selects on the code bits, compiled shapeless (one compilation serves every
+    length): several times cheaper than MLX's gather on the CPU, up to
+    ``MAX_SELECT_BITS`` (15 selects per code).
+    """
+
+    def levels_of(codes: mx.array) -> mx.array:
+        bit_set = [((codes >> bit) & 1).astype(mx.bool_) for bit in range(book.bits)]
+
+        def select(bit: int, levels: tuple[float, ...]):
+            if bit < 0:
+                return levels[0]
+            half = len(levels) // 2
+            return mx.where(bit_set[bit], select(bit - 1, levels[half:]), select(bit - 1, levels[:half]))
+
+        return select(book.bits - 1, book.levels)
+
+    return mx.compile(lambda codes: [levels_of(codes >> shift) for shift in shifts], shapeless=True)
+
+
+def _decoded_planes(codec: Codec, codes: mx.array, scales: mx.array) -> tuple[list[mx.array], mx.array | None]:
+    """Decoded rotated vectors of ``codes`` and ``scales`` as planes (``_level_planes``), and their scales if left out.
+
+    With one scale per vector the planes hold bare levels and the scales (float32
+    ``[..., length]``) come back separately, to multiply ``[query, slot]`` products or
+    decoded rows; with scale groups the one plane returned holds whole scaled vectors and
+    the second result is None.
+    """
+    planes = _level_planes(codec, codes)
+    scales = scales.astype(mx.float32)
+    if codec.groups == 1:
+        return planes, scales[..., 0]
+    rows = _interleaved(planes)
+    lead = rows.shape[:-1]
+    return [(rows.reshape(*lead, codec.groups, codec.group) * scales[..., None]).reshape(*lead, codec.head_dim)], None
+
+
+def _interleaved(planes: list[mx.array]) -> mx.array:
+    """The vectors ``planes`` hold, coordinates in order (a strided copy: only where the order matters)."""
+    return planes[0] if len(planes) == 1 else mx.flatten(mx.stack(planes, axis=-1), -2, -1)
+
+
+def _times_transposed(x: mx.array, planes: list[mx.array]) -> mx.array:
+    """``x @ rowsᵀ`` for ``x`` ``[..., m, head_dim]`` and rows given as planes: ``[..., m, length]``."""
+    n = len(planes)
+    return functools.reduce(mx.add, [x[..., k::n] @ plane.swapaxes(-1, -2) for k, plane in enumerate(planes)])
+
+
+def _weighted_sum(weights: mx.array, planes: list[mx.array]) -> mx.array:
+    """``weights @ rows`` for ``weights`` ``[..., m, length]`` and rows given as planes: ``[..., m, head_dim]``."""
+    return _interleaved([weights @ plane for plane in planes])
+
+
+def _rows_times(planes: list[mx.array], matrix: mx.array) -> mx.array:
+    """``rows @ matrix`` for rows given as planes and ``matrix`` ``[..., head_dim, d]``."""
+    n = len(planes)
+    if n == 1:
+        return planes[0] @ matrix
+    return mx.concatenate(planes, axis=-1) @ mx.concatenate([matrix[..., k::n, :] for k in range(n)], axis=-2)
+
+
+def _with_row_scales(products: mx.array, row_scales: mx.array | None) -> mx.array:
+    """``[..., query, slot]`` products times the slots' scales where ``_decoded_planes`` left them out."""
+    return products if row_scales is None else products * row_scales[..., None, :]
+
+
+# -- decode attention -------------------------------------------------------------------
+
+
+def decode_attention(queries: mx.array, stored: StoredLayer, scale: float) -> mx.array:
+    """``softmax(q kᵀ · scale) v`` over the live slots for ``queries`` ``[batch, q_heads, 1, head_dim]``.
+
+    Accumulates in float32; returns the queries' dtype. One softmax over two parts
+    (either may be empty, and is then skipped): the codes of the span of slots between
+    the sinks and the recent ring (``_coded_part``) and the full-precision rows
+    (``_full_precision_part``).
+    """
+    batch, q_heads, tokens, dims = queries.shape
+    kv_heads, length = stored.key_codes.shape[1], stored.length
+    if tokens != 1 or q_heads % kv_heads or length == 0:
+        raise ValueError(f"decode attention takes one query token over >= 1 slot; got {queries.shape}, length {length}")
+    q = queries.astype(mx.float32).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    slots, rows = stored.full_precision_slots()
+    first, stop = _coded_span(slots, length)
+    parts = []
+    if first < stop:
+        parts.append(_coded_part(q, stored, first, stop, slots, scale))
+    if rows:
+        parts.append(_full_precision_part(q, stored, rows, scale))
+    weights = mx.softmax(mx.concatenate([scores for scores, _ in parts], axis=-1), axis=-1)
+    bounds = list(itertools.accumulate(scores.shape[-1] for scores, _ in parts))[:-1]
+    sums = [weighted_values(w) for (_, weighted_values), w in zip(parts, mx.split(weights, bounds, axis=-1))]
+    return functools.reduce(mx.add, sums).reshape(queries.shape).astype(queries.dtype)
+
+
+def _coded_part(
+    q: mx.array, stored: StoredLayer, first: int, stop: int, slots: list[int], scale: float
+) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
+    """Scores of the coded slots ``[first, stop)`` (full-precision ones among them masked out), and
+    the function from their weights to the weighted sum of their values, rotated back."""
+    signs, mixing = _signs(stored.rotation), stored.rotation.mixing_matrix()
+    live = slice(first, stop)
+    keys, key_scales = _decoded_planes(stored.key_codec, stored.key_codes[:, :, live], stored.key_scales[:, :, live])
+    scores = _with_row_scales(_times_transposed(_rotated(q, signs, mixing), keys), key_scales) * scale
+    masked = [slot - first for slot in slots if first <= slot < stop]
+    if masked:
+        scores[..., mx.array(masked)] = -mx.inf
+
+    def weighted_values(weights: mx.array) -> mx.array:
+        values, value_scales = _decoded_planes(
+            stored.value_codec, stored.value_codes[:, :, live], stored.value_scales[:, :, live]
+        )
+        return _unrotated(_weighted_sum(_with_row_scales(weights, value_scales), values), signs, mixing)
+
+    return scores, weighted_values
+
+
+def _full_precision_part(
+    q: mx.array, stored: StoredLayer, rows: list[int], scale: float
+) -> tuple[mx.array, Callable[[mx.array], mx.array]]:
+    """Scores of the full-precision ``rows`` (any order, not empty), and the function from their
+    weights to the weighted sum of their values."""
+    fp_keys, fp_values = stored.fp_keys, stored.fp_values
+    if sorted(rows) != list(range(fp_keys.shape[2])):
+        index = mx.array(rows)
+        fp_keys, fp_values = mx.take(fp_keys, index, axis=2), mx.take(fp_values, index, axis=2)
+    scores = (q @ fp_keys.astype(mx.float32).swapaxes(-1, -2)) * scale
+    return scores, lambda weights: weights @ fp_values.astype(mx.float32)
+
+
+def _coded_span(slots: list[int], length: int) -> tuple[int, int]:
+    """The smallest ``[first, stop)`` holding every slot of ``[0, length)`` not in ``slots`` (empty if none is).
+
+    Usually the slots between the sinks and the recent ring, so nothing inside it needs
+    masking; found in ``len(slots)`` steps, not ``length``.
+    """
+    full = set(slots)
+    first = next((slot for slot in range(length) if slot not in full), None)
+    if first is None:
+        return length, length
+    last = next(slot for slot in range(length - 1, first - 1, -1) if slot not in full)
+    return first, last + 1
+
+
+# -- dequantize -------------------------------------------------------------------------
+
+
+def dequantize(stored: StoredLayer, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """Keys and values of slots ``[0, length)`` as ``[batch, kv_heads, length, head_dim]`` in ``dtype``."""
+    live, rotation = slice(0, stored.length), stored.rotation
+    keys = _dequantized(stored.key_codec, stored.key_codes[:, :, live], stored.key_scales[:, :, live], rotation)
+    values = _dequantized(stored.value_codec, stored.value_codes[:, :, live], stored.value_scales[:, :, live], rotation)
+    slots, rows = stored.full_precision_slots()
+    if slots:
+        slots, rows = mx.array(slots), mx.array(rows)
+        keys[:, :, slots] = mx.take(stored.fp_keys, rows, axis=2).astype(mx.float32)
+        values[:, :, slots] = mx.take(stored.fp_values, rows, axis=2).astype(mx.float32)
+    return keys.astype(dtype), values.astype(dtype)
+
+
+def _dequantized(codec: Codec, codes: mx.array, scales: mx.array, rotation: Rotation) -> mx.array:
+    """Coded vectors in the model's domain, float32: ``_unrotated`` with the planes' order folded into ``Mᵀ``."""
+    planes, row_scales = _decoded_planes(codec, codes, scales)
+    rows = _rows_times(planes, rotation.mixing_matrix().swapaxes(-1, -2)) * _signs(rotation)
+    return rows if row_scales is None else rows * row_scales[..., None]
