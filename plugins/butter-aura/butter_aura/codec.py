@@ -17,6 +17,8 @@ to zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import mlx.core as mx
 
@@ -60,12 +62,27 @@ class Codec:
 
     def encode(self, rotated: mx.array) -> tuple[mx.array, mx.array]:
         """Codes (uint32 ``[..., words]``) and scales (float16 ``[..., groups]``) of rotated vectors ``[..., head_dim]``."""
+        return self.encode_with(
+            rotated,
+            lambda t: nearest_level(t, self.book.boundaries_array(), self.bits),
+            lambda index: mx.take(self.book.levels_array(), index),
+        )
+
+    def encode_with(
+        self,
+        rotated: mx.array,
+        find_codes: Callable[[mx.array], mx.array],
+        levels_of: Callable[[mx.array], mx.array],
+    ) -> tuple[mx.array, mx.array]:
+        """``encode`` with the two look-ups supplied: ``find_codes(t)``, the nearest level's
+        code of each normalized coordinate (uint32), and ``levels_of(codes)``, their levels
+        (float32). The CPU path (``butter_aura.cpu``) passes compiled versions."""
         lead = rotated.shape[:-1]
         y = rotated.astype(mx.float32).reshape(*lead, self.groups, self.group)
         rms = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True))
         t = y / mx.where(rms > 0, rms, 1.0)
-        index = nearest_level(t, self.book.boundaries_array(), self.bits)
-        chosen = mx.take(self.book.levels_array(), index)
+        index = find_codes(t)
+        chosen = levels_of(index)
         scale = mx.sum(y * chosen, axis=-1) / mx.maximum(mx.sum(chosen * chosen, axis=-1), 1e-30)
         scale = mx.clip(scale, -_FLOAT16_MAX, _FLOAT16_MAX).astype(SCALE_DTYPE)
         return packing.pack(index.reshape(*lead, self.head_dim), self.bits), scale

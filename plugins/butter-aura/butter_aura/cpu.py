@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from butter_aura import packing
 from butter_aura.codebooks import Codebook
-from butter_aura.codec import _FLOAT16_MAX, SCALE_DTYPE, Codec, nearest_level
+from butter_aura.codec import Codec, nearest_level
 from butter_aura.rotation import Rotation
 from butter_aura.stored import StoredLayer
 
@@ -82,16 +82,8 @@ def _compiled_encoder(key_fields: tuple, value_fields: tuple) -> Callable:
 
 
 def _code(codec: Codec, rotated: mx.array) -> tuple[mx.array, mx.array]:
-    """``codec.encode(rotated)``, op for op, but with the levels found by ``_nearest_level``."""
-    lead = rotated.shape[:-1]
-    y = rotated.reshape(*lead, codec.groups, codec.group)
-    rms = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True))
-    t = y / mx.where(rms > 0, rms, 1.0)
-    index = _nearest_level(t, codec.book)
-    chosen = _levels_of(codec.book, index)
-    scale = mx.sum(y * chosen, axis=-1) / mx.maximum(mx.sum(chosen * chosen, axis=-1), 1e-30)
-    scale = mx.clip(scale, -_FLOAT16_MAX, _FLOAT16_MAX).astype(SCALE_DTYPE)
-    return packing.pack(index.reshape(*lead, codec.head_dim), codec.bits), scale
+    """``codec.encode(rotated)``, with the levels found by ``_nearest_level`` and looked up by ``_levels_of``."""
+    return codec.encode_with(rotated, lambda t: _nearest_level(t, codec.book), lambda index: _levels_of(codec.book, index))
 
 
 def _nearest_level(t: mx.array, book: Codebook) -> mx.array:
