@@ -29,7 +29,7 @@ codes it crashed MLX 0.32.4 (illegal memory access), so it is not used.
 The tensor-core kernel (``kernels.decode_mma``) takes 4- and 8-bit codes with float16 or
 bfloat16 queries and scales, and head_dim 64/128/256; 6-bit codes and float32 keep the
 float32 ``decode`` kernel. On the H200 at 128k it takes 0.4x the float32 kernel's time
-(affine4 63.0 against 157.1 µs; 0.47x raw SDPA's 132.9; ``bench/gpu_affine.py``), and
+(affine4 63.0-71.3 against 157-162 µs; 0.47-0.55x raw SDPA's; ``bench/gpu_affine.py``), and
 0.82-0.97x raw's at 4k and 32k.
 """
 

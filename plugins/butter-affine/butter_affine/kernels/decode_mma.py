@@ -33,7 +33,7 @@ subnormals.
 Speed, measured on the H200 (``bench/gpu_affine.py``, MLX 0.32.4, bf16, batch 1, 32/8
 heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, affine4 63.0 µs against
 132.9 µs for MLX's SDPA on raw bf16 in the same run (0.47x; 2.7 TB/s), affine8 79.9 µs
-(0.60x); 157 µs for ``decode``. Chained like a decode step's layers, 0.64x / 0.71x. At
+(0.60x); another run 71.3 against 129.9 (0.55x) and 80.7 (0.62x); 157 µs for ``decode``. Chained like a decode step's layers, 0.64x / 0.71x. At
 4k and 32k it takes 0.82-0.98x raw SDPA's time. The first defaults took 79.9 µs (affine4)
 and the first sweep's 73.2; read-only loads, two score chains for 8 bits and 264
 threadgroups (the tunables below) brought it to 63.
