@@ -94,8 +94,8 @@ TENSOR_CORE_SWEEPS = (
 """Overrides of ``butter_affine.kernels.decode_mma``'s tunables, each timed alone for affine4
 and affine8 at 128k. Registers decide threadgroups per multiprocessor (nvcc 13.0, sm_90a,
 bf16, head_dim 128, 4 heads, 4 / 8 bits: ``KEY_BLOCKS`` 1: 122 / 125 -> 4 per
-multiprocessor, so 528 = one wave on 132; ``KEY_BLOCKS`` 2: 145 / 168 -> 3 / 3, with
-``PREFETCH`` 158 / 196 -> 3 / 2; ``KEY_BLOCKS`` 4: 235 / 255, 8 bits spilling 4 bytes), so
+multiprocessor, so 528 = one wave on 132; ``KEY_BLOCKS`` 2: 148 / 167 with the read-only loads and
+chains {4: 1, 8: 2} (145 / 168 without) -> 3 / 3, with ``PREFETCH`` 158 / 196 -> 3 / 2; ``KEY_BLOCKS`` 4: 235 / 255, 8 bits spilling 4 bytes), so
 ``TARGET_BLOCKS`` moves with them. The defaults (``KEY_BLOCKS=2``, no prefetch, read-only
 loads, score chains {4: 1, 8: 2}, 264 threadgroups) won the H200 sweeps of 2026-11-30
 (docs/benchmarks.md); these try around them."""
