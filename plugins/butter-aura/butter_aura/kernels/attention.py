@@ -71,12 +71,9 @@ _PARTIALS = Kernel(
   constexpr int VW = (D * VB + 31) / 32;
   constexpr int PER = (HEADS * D + THREADS - 1) / THREADS;
 
-  const int live = params[0];
-  const int sinks = params[1];
-  const int ring = params[2];
-  const int recent_lo = params[3];
-  const int recent_hi = params[4];
-  const SplitKBlock block = splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], live);
+  const AuraSlotParams slot_params = aura_slot_params(params);
+  const SplitKBlock block =
+      splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], slot_params.live);
   const int allocated = key_codes_shape[2];
   const int sub = lane_id % LANES;
   const int slot = lane_id / LANES;
@@ -121,11 +118,7 @@ _PARTIALS = Kernel(
     int64_t row[TILE];
     for (int t = 0; t < TILE; ++t) {
       const int key = base + t * KEYS_PER_WARP + slot;
-      bool coded = key < block.end && key >= sinks;
-      if (coded && key >= recent_lo && key <= recent_hi) {
-        coded = recent_slots[(key - sinks) % ring] != key;  // else held in full precision
-      }
-      valid[t] = coded;
+      valid[t] = aura_coded(slot_params, recent_slots, key, block.end);
       row[t] = rows + (key < block.end ? key : base);
       const BT_GLOBAL unsigned int* words = key_codes + row[t] * KW;
       float partial[HEADS];

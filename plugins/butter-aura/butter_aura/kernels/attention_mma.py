@@ -141,12 +141,9 @@ _BODY = """
   constexpr int PER = (HEADS * D + THREADS - 1) / THREADS;
   static_assert(HEADS <= 8, "the value MMA has 8 head columns");
 
-  const int live = params[0];
-  const int sinks = params[1];
-  const int ring = params[2];
-  const int recent_lo = params[3];
-  const int recent_hi = params[4];
-  const SplitKBlock block = splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], live);
+  const AuraSlotParams slot_params = aura_slot_params(params);
+  const SplitKBlock block =
+      splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], slot_params.live);
   const int allocated = key_codes_shape[2];
   const int g = lane_id / 4;
   const int t = lane_id % 4;
@@ -333,7 +330,8 @@ _BODY = """
 
     // Keys read from their codes: inside [sinks, end) and not held by the recent ring.
     // The scores' columns past HEADS are -inf too, so their P' is 0.
-    const bool plain = base >= sinks && base + KEYS <= block.end && (base + KEYS <= recent_lo || base > recent_hi);
+    const bool plain = base >= slot_params.sinks && base + KEYS <= block.end &&
+                       (base + KEYS <= slot_params.recent_lo || base > slot_params.recent_hi);
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
@@ -341,10 +339,7 @@ _BODY = """
         bool coded = heads_here;
         if (!plain) {
           const int key = base + 16 * b + 8 * h + g;
-          coded = coded && key < block.end && key >= sinks;
-          if (coded && key >= recent_lo && key <= recent_hi) {
-            coded = recent_slots[(key - sinks) % ring] != key;
-          }
+          coded = coded && aura_coded(slot_params, recent_slots, key, block.end);
         }
         s[b][2 * h] = coded ? (s[b][2 * h] + s_odd[b][2 * h]) * kscale[b][h] : BT_NEG_INF;
         s[b][2 * h + 1] = coded && 2 * t + 1 < HEADS ? (s[b][2 * h + 1] + s_odd[b][2 * h + 1]) * kscale[b][h]

@@ -6,12 +6,40 @@
   bit for bit alike.
 * ``aura_group_sum``: a sum over aligned groups of threads whose size is only known at
   run time (a scale group may span several warps).
+* ``AuraSlotParams``, ``aura_slot_params`` and ``aura_coded``: the partials kernels'
+  ``params`` input (``[live, sinks, ring, recent_lo, recent_hi]``, built by
+  ``attention.decode_attention``) and whether a slot is read from its codes.
 
 The two shared-memory helpers contain barriers: every thread of the threadgroup must
 call them.
 """
 
 HELPERS = """
+// The partials kernels' `params`: live slots; slots [0, sinks) held in full precision;
+// rows of the recent ring; the smallest and largest slot the ring holds (lo > hi: none).
+struct AuraSlotParams {
+  int live;
+  int sinks;
+  int ring;
+  int recent_lo;
+  int recent_hi;
+};
+BT_FUNC AuraSlotParams aura_slot_params(const BT_GLOBAL int* params) {
+  return AuraSlotParams{params[0], params[1], params[2], params[3], params[4]};
+}
+
+// Whether slot `key` is read from its codes: below `end`, not a sink, not held in full
+// precision by the recent ring (looked up only within the ring's slot range).
+BT_FUNC bool aura_coded(AuraSlotParams sp, const BT_GLOBAL int* recent_slots, int key, int end) {
+  if (key >= end || key < sp.sinks) {
+    return false;
+  }
+  if (key >= sp.recent_lo && key <= sp.recent_hi) {
+    return recent_slots[(key - sp.sinks) % sp.ring] != key;
+  }
+  return true;
+}
+
 BT_FUNC unsigned int aura_code(const BT_GLOBAL unsigned int* words, int j, int bits) {
   // Code j of a little-endian stream of bits-bit codes; it straddles two words only
   // when bits does not divide 32.
