@@ -7,6 +7,7 @@ butter-raw and butter-affine installed:
     python bench/gpu_affine.py --no-sweep # without the tunables sweep
     python bench/gpu_affine.py --no-checks # timings only
     python bench/gpu_affine.py --only-attention # checks, then single-token attention only
+    python bench/gpu_affine.py --only-sweep # checks, then the tunables sweep only
 
 1. Every ``KERNEL_CHECKS`` case (the tensor-core ``decode_attention_mma`` among them),
    plus ``decode_attention`` and ``decode_attention_mma`` at the timed shapes (4k and 32k;
@@ -26,13 +27,19 @@ butter-raw and butter-affine installed:
    of a decode step do. Raw SDPA and the tensor-core kernel are also timed *chained*: each
    call's query is the previous call's output, so calls cannot overlap on the GPU, as a
    decode step's layers cannot.
+   First (the figure to quote), raw SDPA and the tensor-core kernel on affine4 and affine8
+   at 128k *side by side*: timed in turn for 9 rounds, each round's ratio to raw's time
+   in that round, and their median (``gpu_timing.side_by_side``; whole runs drift by
+   5-15%). ``mx.quantized_matmul`` runs in mlx-lm's form (``gpu_timing``), which MLX
+   0.32.4's CUDA backend runs on 8-bit codes too; the form with the query heads as matrix
+   rows crashed it there ("an illegal memory access", 2026-11-30).
 3. A one-token append (quantize kernel + six slice assignments) into a cache holding L
    positions, against butter-raw's append.
 4. The working set of a 30-layer chunked-prefill step over 32k positions (dequantize per
    layer), against a 5-layer one, with the caches' ``PrefillPipeline`` off and on: one
    layer's dequantized K/V, or all layers'.
 5. The kernels' tunables (``butter_affine.kernels.decode``, then ``decode_mma`` for
-   affine4 and affine8), one at a time, at 128k.
+   affine4 and affine8), one at a time, at 128k, side by side with the defaults.
 Prints compact tables; with ``OUT`` set, writes everything to ``$OUT/affine.json``.
 """
 
@@ -42,9 +49,7 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -55,22 +60,15 @@ import mlx.core as mx
 from butter_core import Affine, LayerSpec, Raw, make_layer_caches
 from butter_core.kernels import gpu_backend
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
-from butter_affine.ops import quantized_matmul_decode
+from gpu_timing import CALLS, amortised, copies_for, quantized_matmul_attention, side_by_side
 from butter_affine.packing import BUFFERS, PackedFormat
 
-CALLS = 50
-REPEATS = 5
 CONTEXTS = (4096, 32768, 131072)
 CHECK_CONTEXTS = (4096, 32768)
 """Contexts at which the decode kernels are also checked at the timed shapes."""
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, mx.bfloat16
 SCHEMES = {"affine4": (4, 32), "affine6": (6, 32), "affine8": (8, 64)}
-QUANTIZED_MATMUL_SKIP = {"affine8"}
-"""mx.quantized_matmul on 8-bit codes ([1, 8, L, 32] words, bf16, batched) died with "an
-illegal memory access" in MLX 0.32.4's CUDA backend on the H200 (2026-11-30), which
-poisons the process's CUDA context: not timed."""
 COPY_TB_S = 4.1
-L2_DEFEAT_BYTES = 256 * 2**20
 SWEEPS = (
     {"TILE": {4: 2, 6: 4, 8: 2}},
     {"PREFETCH": False},
@@ -127,25 +125,6 @@ def save() -> None:
             json.dump(REPORT, f, indent=2, default=str)
 
 
-def amortised(build: Callable[[], list[mx.array]]) -> tuple[float, float]:
-    """Medians over REPEATS of (eval of CALLS calls built by ``build``) / CALLS and of (the
-    host's time in ``build``, building the graph of those calls) / CALLS, in µs."""
-    mx.eval(build())
-    samples, builds = [], []
-    outs = None
-    for _ in range(REPEATS):
-        outs = None  # drop the last results first: a live reference to a buffer stops donation
-        start = time.perf_counter()
-        outs = build()
-        builds.append((time.perf_counter() - start) / CALLS * 1e6)
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        samples.append((time.perf_counter() - start) / CALLS * 1e6)
-    return statistics.median(samples), statistics.median(builds)
-
-
 def chained(query: mx.array, step: Callable[[mx.array, object], mx.array],
             buffers: list) -> Callable[[], list[mx.array]]:
     """A ``build`` for ``amortised``: CALLS calls of ``step(query, buffers[i])`` in a chain, each
@@ -159,11 +138,6 @@ def chained(query: mx.array, step: Callable[[mx.array, object], mx.array],
         return [x]
 
     return build
-
-
-def amortised_us(build: Callable[[], list[mx.array]]) -> float:
-    """Median over REPEATS of (eval of CALLS calls built by ``build``) / CALLS, in µs."""
-    return amortised(build)[0]
 
 
 def run_checks() -> list[dict]:
@@ -192,10 +166,6 @@ def run_checks() -> list[dict]:
     return results
 
 
-def buffer_count(nbytes: int) -> int:
-    return max(1, min(CALLS, math.ceil(L2_DEFEAT_BYTES / nbytes)))
-
-
 def packed_sets(bits: int, group: int, length: int, count: int) -> list[dict[str, mx.array]]:
     """``count`` independent packed K/V buffers of ``length`` slots (quantized by the kernel)."""
     sets = []
@@ -221,7 +191,7 @@ def time_attention(length: int) -> list[dict]:
               f"(graph building {build_us:5.1f} µs per call)", flush=True)
 
     pairs = [tuple(mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
-             for _ in range(buffer_count(raw_bytes))]
+             for _ in range(copies_for(raw_bytes))]
     mx.eval(pairs)
     us, build_us = amortised(lambda: [sdpa(q, *pairs[i % len(pairs)], scale=scale) for i in range(CALLS)])
     add("raw bf16, MLX SDPA", us, raw_bytes, build_us)
@@ -233,7 +203,7 @@ def time_attention(length: int) -> list[dict]:
     for name, (bits, group) in SCHEMES.items():
         fmt = PackedFormat(bits, group, HEAD_DIM, DTYPE)
         packed_bytes = 2 * KV_HEADS * length * fmt.row_bytes
-        sets = packed_sets(bits, group, length, buffer_count(packed_bytes))
+        sets = packed_sets(bits, group, length, copies_for(packed_bytes))
 
         def fused(b):
             return decode.decode_attention(q, *(b[n] for n in BUFFERS), length=length, scale=scale)
@@ -246,7 +216,9 @@ def time_attention(length: int) -> list[dict]:
             return sdpa(q, keys, values, scale=scale)
 
         def matmul(b):
-            return quantized_matmul_decode(q, b, length, scale, bits=bits, group_size=group)
+            return quantized_matmul_attention(q, (b["key_codes"], b["key_scales"], b["key_biases"]),
+                                              (b["value_codes"], b["value_scales"], b["value_biases"]),
+                                              scale, bits=bits, group_size=group)
 
         def independent(fn):
             """A ``build`` for ``amortised``: CALLS calls of ``fn``, each on the next buffer set."""
@@ -258,8 +230,7 @@ def time_attention(length: int) -> list[dict]:
             paths.append((f"{name} tensor-core chained", chained(q, lambda x, b: tensor_core_fused(b, x), sets),
                           packed_bytes))
         paths.append((f"{name} dequantize + SDPA", independent(dequant_sdpa), packed_bytes + 2 * raw_bytes))
-        if name not in QUANTIZED_MATMUL_SKIP:
-            paths.append((f"{name} mx.quantized_matmul", independent(matmul), packed_bytes))
+        paths.append((f"{name} mx.quantized_matmul", independent(matmul), packed_bytes))
         for path, build, moved in paths:
             try:
                 us, build_us = amortised(build)
@@ -268,6 +239,35 @@ def time_attention(length: int) -> list[dict]:
                 print(f"  {length:>7} {path:28s} FAILED\n{traceback.format_exc(limit=4)}", flush=True)
         del sets
         gc.collect()
+    return rows
+
+
+SIDE_BY_SIDE_ROUNDS = 9
+
+
+def time_side_by_side(length: int = 131072) -> dict[str, dict]:
+    """The goal's ratio, measured as it must be quoted: raw SDPA and the tensor-core kernel
+    on affine4 and affine8 timed in turn for ``SIDE_BY_SIDE_ROUNDS`` rounds, each round's
+    kernel time divided by raw's in that round (``gpu_timing.side_by_side``)."""
+    q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
+    scale = HEAD_DIM**-0.5
+    raw_bytes = 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
+    pairs = [tuple(mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
+             for _ in range(copies_for(raw_bytes))]
+    mx.eval(pairs)
+    builds = {"raw bf16, MLX SDPA": lambda: [mx.fast.scaled_dot_product_attention(
+        q, *pairs[i % len(pairs)], scale=scale) for i in range(CALLS)]}
+    for name in ("affine4", "affine8"):
+        bits, group = SCHEMES[name]
+        sets = packed_sets(bits, group, length, copies_for(2 * KV_HEADS * length * PackedFormat(
+            bits, group, HEAD_DIM, DTYPE).row_bytes))
+        builds[f"{name} tensor-core kernel"] = lambda sets=sets: [decode_mma.decode_attention(
+            q, *(sets[i % len(sets)][n] for n in BUFFERS), length=length, scale=scale) for i in range(CALLS)]
+    rows = side_by_side(builds, rounds=SIDE_BY_SIDE_ROUNDS)
+    for path, row in rows.items():
+        ratios = (f"  x raw: median {row['median_ratio']:.3f} (rounds {row['min_ratio']:.3f}-{row['max_ratio']:.3f})"
+                  if "ratios" in row else "")
+        print(f"  side by side {length:>7} {path:28s} median {row['median_us']:7.1f} µs{ratios}", flush=True)
     return rows
 
 
@@ -290,7 +290,7 @@ def time_append(length: int) -> list[dict]:
                 cache.append(rows[i], rows[i])
             return cache.buffers()
 
-        us = amortised_us(chain)
+        us = amortised(chain).us
         out.append({"context": length, "cache": label, "append_us": us})
         print(f"  {length:>7} {label:8s} one-token append {us:7.1f} µs", flush=True)
         del cache
@@ -329,9 +329,14 @@ def prefill_working_set(layers: int, pipelined: bool, length: int = 32768, chunk
             "step_ms": seconds * 1e3}
 
 
+SWEEP_ROUNDS = 3
+
+
 def sweep(length: int = 131072) -> list[dict]:
-    """Each kernel's tunables one at a time: the float32 kernel on affine4, the tensor-core
-    kernel on affine4 and affine8."""
+    """Each kernel's tunables one at a time, side by side with its defaults
+    (``SWEEP_ROUNDS`` rounds; each variant's median time and median ratio to the defaults
+    in the same round): the float32 kernel on affine4, the tensor-core kernel on affine4
+    and affine8. A variant that fails (e.g. does not compile) is reported and left out."""
     rows = []
     for module, scheme, overrides_list in ((decode, "affine4", SWEEPS),
                                            (decode_mma, "affine4", TENSOR_CORE_SWEEPS),
@@ -340,22 +345,29 @@ def sweep(length: int = 131072) -> list[dict]:
         bits, group = SCHEMES[scheme]
         q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
         fmt = PackedFormat(bits, group, HEAD_DIM, DTYPE)
-        sets = packed_sets(bits, group, length, buffer_count(2 * KV_HEADS * length * fmt.row_bytes))
+        sets = packed_sets(bits, group, length, copies_for(2 * KV_HEADS * length * fmt.row_bytes))
 
-        def timed():
-            return amortised_us(lambda: [module.decode_attention(
-                q, *(sets[i % len(sets)][n] for n in BUFFERS), length=length, scale=HEAD_DIM**-0.5)
-                for i in range(CALLS)])
-
-        for overrides in ({}, *overrides_list):
-            row = {"kernel": kernel, "scheme": scheme, "override": overrides or "defaults"}
-            try:
+        def build(overrides):
+            def calls():
                 with overridden(module, **overrides):
-                    row["us"] = timed()
+                    return [module.decode_attention(q, *(sets[i % len(sets)][n] for n in BUFFERS), length=length,
+                                                    scale=HEAD_DIM**-0.5) for i in range(CALLS)]
+            return calls
+
+        builds = {}
+        for overrides in ({}, *overrides_list):
+            label = str(overrides or "defaults")
+            try:
+                mx.eval(build(overrides)()[:1])  # compiles it
+                builds[label] = build(overrides)
             except Exception:
-                row["error"] = traceback.format_exc(limit=3)
-            rows.append(row)
-            print(f"  sweep {row}", flush=True)
+                rows.append({"kernel": kernel, "scheme": scheme, "override": label,
+                             "error": traceback.format_exc(limit=3)})
+                print(f"  sweep {rows[-1]}", flush=True)
+        for label, timed in side_by_side(builds, rounds=SWEEP_ROUNDS).items():
+            rows.append({"kernel": kernel, "scheme": scheme, "override": label, "us": timed["median_us"],
+                         "vs_defaults": timed.get("median_ratio", 1.0)})
+            print(f"  sweep {rows[-1]}", flush=True)
         del sets
         gc.collect()
     return rows
@@ -382,6 +394,10 @@ def print_tables() -> None:
             tc = by[(131072, f"{name} tensor-core kernel")]
             print(f"at 128k: tensor-core {name} / raw SDPA = {tc / raw[131072]:.2f} (goal <= 0.5); "
                   f"/ fused {name} = {tc / by[(131072, f'{name} fused kernel')]:.2f}")
+    for path, row in REPORT.get("side_by_side", {}).items():
+        if "ratios" in row:
+            print(f"side by side at 128k: {path} / raw SDPA: median {row['median_ratio']:.3f} over "
+                  f"{len(row['ratios'])} rounds ({row['min_ratio']:.3f}-{row['max_ratio']:.3f}; goal <= 0.5 for affine4)")
     if REPORT.get("append"):
         print("\none-token append, amortised µs")
         for r in REPORT["append"]:
@@ -397,7 +413,7 @@ def print_tables() -> None:
         print("\nkernels at 128k, tunables one at a time (µs)")
         for r in REPORT["sweep"]:
             print(f"  {r.get('kernel', 'decode'):10s} {r.get('scheme', 'affine4')}  {r.get('us', float('nan')):7.1f}  "
-                  f"{r['override']}")
+                  f"x{r.get('vs_defaults', float('nan')):5.3f}  {r['override']}")
 
 
 def main() -> int:
@@ -407,6 +423,8 @@ def main() -> int:
     parser.add_argument("--only-memory", action="store_true", help="only the prefill working set")
     parser.add_argument("--only-attention", action="store_true",
                         help="the checks (unless --no-checks) and the attention timings only")
+    parser.add_argument("--only-sweep", action="store_true",
+                        help="the checks (unless --no-checks) and the tunables sweep only")
     args = parser.parse_args()
     backend = gpu_backend()
     if backend is None:
@@ -418,15 +436,18 @@ def main() -> int:
     start = time.time()
     REPORT["checks"] = [] if args.no_checks or args.only_memory else run_checks()
     save()
-    if not args.only_memory:
+    if not (args.only_memory or args.only_sweep):
         print(f"[{time.time() - start:.0f} s] timings", flush=True)
+        REPORT["side_by_side"] = time_side_by_side()
+        save()
+        print(f"[{time.time() - start:.0f} s] every path", flush=True)
         REPORT["attention"] = [row for length in CONTEXTS for row in time_attention(length)]
         save()
-    if not (args.only_memory or args.only_attention):
+    if not (args.only_memory or args.only_attention or args.only_sweep):
         print(f"[{time.time() - start:.0f} s] appends", flush=True)
         REPORT["append"] = [row for length in (4096, 131072) for row in time_append(length)]
         save()
-    if not args.only_attention:
+    if not (args.only_attention or args.only_sweep):
         print(f"[{time.time() - start:.0f} s] prefill working set", flush=True)
         prefill_working_set(1, False, length=1024)  # compiles the kernels outside the timed steps
         REPORT["memory"] = [prefill_working_set(layers, pipelined) for pipelined in (False, True)

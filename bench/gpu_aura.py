@@ -22,6 +22,9 @@ Run on a machine with a GPU backend (the lent H200, or Apple silicon), from the 
    Bytes read are the live slots' codes, scales and full-precision rows (the floor any
    kernel must read); TB/s is bytes / time. Consecutive calls read different copies of
    the cache when one copy would fit in L2, as the layers of a decode step do.
+   **side-by-side** — raw SDPA, aura4v2 and aura4v4 at 128k timed in turn for 9 rounds;
+   each round's ratio to raw's time in that round, and their median: the goal's figure
+   (whole runs drift by 5-15%, so ratios across sections of one run are not quoted).
 3. **other kernels** — a one-token ``encode`` (the append of a decode step) and
    ``dequantize`` of 4k slots (the prefill path).
 4. **tunables** — aura4v2 at 128k through the tensor-core kernel with ``blocks`` (16-key
@@ -39,9 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -59,13 +60,11 @@ from butter_core.kernels import KernelCheck, gpu_backend  # noqa: E402
 from butter_aura import reference  # noqa: E402
 from butter_aura.kernels import KERNEL_CHECKS, attention, checks, dequantize, encode  # noqa: E402
 from butter_aura.layout import codecs  # noqa: E402
+from gpu_timing import CALLS, amortised, copies_for, quantized_matmul_attention, side_by_side  # noqa: E402
 
-CALLS = 50
-REPEATS = 5
 CONTEXTS = (4096, 32768, 131072)
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, mx.bfloat16
 SCHEMES = ("aura4v2", "aura4v4", "aura8v4", "aura8v8")
-L2_DEFEAT_BYTES = 256 * 2**20
 MAX_COPIES = 32
 GOAL = 0.35
 METHODS = ("mma", "simt")
@@ -81,21 +80,8 @@ def elapsed() -> float:
 
 
 def amortised_us(build: Callable[[int], mx.array]) -> float:
-    """Median over REPEATS of (eval of CALLS calls, call i built by ``build(i)``) / CALLS, in µs."""
-    mx.eval([build(i) for i in range(CALLS)])
-    samples = []
-    for _ in range(REPEATS):
-        outs = [build(i) for i in range(CALLS)]
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        samples.append((time.perf_counter() - start) / CALLS * 1e6)
-    return statistics.median(samples)
-
-
-def copies_for(nbytes: int) -> int:
-    return max(1, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / max(nbytes, 1))))
+    """``gpu_timing.amortised`` of CALLS calls, call i built by ``build(i)``, in µs."""
+    return amortised(lambda: [build(i) for i in range(CALLS)]).us
 
 
 def stored_bytes(stored) -> int:
@@ -197,7 +183,7 @@ def aura_inputs(name: str, length: int, seed: int) -> dict:
 def time_aura(name: str, length: int, method: str = "mma", **tunables) -> dict:
     first = aura_inputs(name, length, 0)
     nbytes = stored_bytes(first["stored"])
-    copies = [first] + [aura_inputs(name, length, i) for i in range(1, copies_for(nbytes))]
+    copies = [first] + [aura_inputs(name, length, i) for i in range(1, copies_for(nbytes, MAX_COPIES))]
     us = amortised_us(lambda i: attention.decode_attention(**copies[i % len(copies)], method=method, **tunables))
     return {"us": us, "bytes": nbytes, "tbps": nbytes / us / 1e6, "copies": len(copies)}
 
@@ -213,23 +199,10 @@ def raw_inputs(length: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
 
 def time_raw_sdpa(length: int) -> dict:
     nbytes = 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
-    copies = [raw_inputs(length, i) for i in range(copies_for(nbytes))]
+    copies = [raw_inputs(length, i) for i in range(copies_for(nbytes, MAX_COPIES))]
     scale = HEAD_DIM**-0.5
     us = amortised_us(lambda i: mx.fast.scaled_dot_product_attention(*copies[i % len(copies)], scale=scale))
     return {"us": us, "bytes": nbytes, "tbps": nbytes / us / 1e6, "copies": len(copies)}
-
-
-def quantized_matmul_attention(q, keys, values, scale, group=64, bits=4):
-    """Decode attention over affine-quantized K/V through mx.quantized_matmul (mlx-lm's quantized-cache route)."""
-    batch, q_heads, tokens, dims = q.shape
-    kv_heads = keys[0].shape[1]
-    q = (q * scale).reshape(batch, kv_heads, q_heads // kv_heads, tokens, dims)
-    keys = [x[:, :, None] for x in keys]
-    values = [x[:, :, None] for x in values]
-    scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group, bits=bits)
-    weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
-    out = mx.quantized_matmul(weights, *values, transpose=False, group_size=group, bits=bits)
-    return out.reshape(batch, q_heads, tokens, dims)
 
 
 def time_quantized_matmul(length: int) -> dict:
@@ -241,11 +214,35 @@ def time_quantized_matmul(length: int) -> dict:
 
     first = make(0)
     nbytes = sum(a.nbytes for part in first[1:] for a in part)
-    copies = [first] + [make(i) for i in range(1, copies_for(nbytes))]
+    copies = [first] + [make(i) for i in range(1, copies_for(nbytes, MAX_COPIES))]
     scale = HEAD_DIM**-0.5
-    us = amortised_us(lambda i: quantized_matmul_attention(copies[i % len(copies)][0], copies[i % len(copies)][1],
-                                                           copies[i % len(copies)][2], scale))
+    us = amortised_us(lambda i: quantized_matmul_attention(*copies[i % len(copies)], scale, bits=4, group_size=64))
     return {"us": us, "bytes": nbytes, "tbps": nbytes / us / 1e6, "copies": len(copies)}
+
+
+SIDE_BY_SIDE_ROUNDS = 9
+
+
+def run_side_by_side(length: int = 131072) -> dict[str, dict]:
+    """The goal's ratio as it must be quoted: raw SDPA, aura4v2 and aura4v4 (tensor-core
+    partials) timed in turn for ``SIDE_BY_SIDE_ROUNDS`` rounds, each round's time divided
+    by raw's in that round (``gpu_timing.side_by_side``)."""
+    raw = [raw_inputs(length, i) for i in range(copies_for(2 * KV_HEADS * length * HEAD_DIM * DTYPE.size, MAX_COPIES))]
+    scale = HEAD_DIM**-0.5
+    builds = {"raw sdpa": lambda: [mx.fast.scaled_dot_product_attention(*raw[i % len(raw)], scale=scale)
+                                   for i in range(CALLS)]}
+    for name in ("aura4v2", "aura4v4"):
+        first = aura_inputs(name, length, 0)
+        copies = [first] + [aura_inputs(name, length, i)
+                            for i in range(1, copies_for(stored_bytes(first["stored"]), MAX_COPIES))]
+        builds[f"{name} mma"] = lambda copies=copies: [attention.decode_attention(**copies[i % len(copies)], method="mma")
+                                                       for i in range(CALLS)]
+    rows = side_by_side(builds, rounds=SIDE_BY_SIDE_ROUNDS)
+    for path, row in rows.items():
+        ratios = (f"  x raw: median {row['median_ratio']:.3f} (rounds {row['min_ratio']:.3f}-{row['max_ratio']:.3f})"
+                  if "ratios" in row else "")
+        print(f"side by side {length // 1024}k {path:12s} median {row['median_us']:7.1f} µs{ratios}", flush=True)
+    return rows
 
 
 def run_decode_timings() -> list[dict]:
@@ -336,7 +333,7 @@ def run_other_kernels() -> dict:
     return out
 
 
-SECTIONS = ("checks", "decode", "other", "tunables")
+SECTIONS = ("checks", "decode", "side-by-side", "other", "tunables")
 
 
 def main() -> None:
@@ -352,6 +349,7 @@ def main() -> None:
     for key, name, run in (
         ("checks", "kernel checks", run_checks),
         ("decode", "decode attention", run_decode_timings),
+        ("side-by-side", "side by side at 128k", run_side_by_side),
         ("other", "other kernels", run_other_kernels),
         ("tunables", "tunables", run_tunables),
     ):

@@ -41,6 +41,7 @@ from butter_core import LayerSpec, LoadOptions, get_plugin_host, make_layer_cach
 from butter_core.engine import Engine
 from butter_core.generation import Generation
 from butter_core.models import build_model
+from gpu_timing import amortised, quantized_matmul_attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DEFAULT_SCHEMES = "raw,affine8,affine6,affine4,aura8v8,aura8v4,aura4v4,aura4v2,fp8"
@@ -63,25 +64,13 @@ QWEN3_1_7B = {
 }
 
 
-def amortised_us(fn, calls: int, repeats: int = 5) -> float:
-    """Median over ``repeats`` of (evaluating ``calls`` calls together) / ``calls``, in µs.
-
-    Only the evaluation is timed: the calls' graphs are built first. Building a custom
-    kernel's call costs tens of µs of host time in MLX, which in a decode loop overlaps
-    the previous step's GPU work; counted here it would hide the kernels' own time (it
-    did, in the first version of this script). The end-to-end section reports host time.
-    """
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        outs = [fn() for _ in range(calls)]
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        times.append((time.perf_counter() - start) / calls)
-        del outs
-    return sorted(times)[len(times) // 2] * 1e6
+def amortised_us(fn, calls: int) -> float:
+    """``gpu_timing.amortised`` of ``calls`` calls of ``fn``, in µs: only the evaluation is
+    timed (building a custom kernel's call costs tens of µs of host time in MLX, which a
+    decode loop overlaps with the previous step's GPU work; counted here it would hide the
+    kernels' own time, as it did in the first version of this script). The end-to-end
+    section reports host time."""
+    return amortised(lambda: [fn() for _ in range(calls)], calls=calls).us
 
 
 def filled_cache(kind, context: int, key):
@@ -96,18 +85,6 @@ def filled_cache(kind, context: int, key):
         )
         mx.eval(cache.state())
     return cache
-
-
-def quantized_matmul_attention(q, kq, vq, scale, bits, group):
-    """Single-query attention over mx.quantize'd K/V, as mlx-lm's quantized KV cache does it."""
-    b, _, _, d = q.shape
-    qg = (q * scale).reshape(b, KV_HEADS, Q_HEADS // KV_HEADS, 1, d)
-    kq = [x[:, :, None] for x in kq]
-    vq = [x[:, :, None] for x in vq]
-    scores = mx.quantized_matmul(qg, *kq, transpose=True, group_size=group, bits=bits)
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(weights, *vq, transpose=False, group_size=group, bits=bits)
-    return out.reshape(b, Q_HEADS, 1, d)
 
 
 def attention_section(args, rows):
@@ -125,7 +102,7 @@ def attention_section(args, rows):
         for bits in (4, 8):
             kq, vq = mx.quantize(k, 64, bits), mx.quantize(v, 64, bits)
             mx.eval(kq, vq)
-            us = amortised_us(lambda: quantized_matmul_attention(q, kq, vq, scale, bits, 64), args.calls)
+            us = amortised_us(lambda: quantized_matmul_attention(q, kq, vq, scale, bits=bits, group_size=64), args.calls)
             nbytes = sum(x.nbytes for x in (*kq, *vq)) + q.nbytes
             rows.append(row(f"mx.quantized_matmul {bits}-bit g64", context, us, nbytes, raw_us, args))
         del k, v

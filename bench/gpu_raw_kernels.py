@@ -23,40 +23,20 @@ Prints a table; with ``OUT`` set, writes everything to ``$OUT/raw_kernels.json``
 from __future__ import annotations
 
 import json
-import math
 import os
-import statistics
 import sys
-import time
 import traceback
-from collections.abc import Callable
 
 import mlx.core as mx
 
 from butter_core.kernels import gpu_backend
 from butter_raw import kernels as raw
+from gpu_timing import CALLS, amortised, copies_for
 
-CALLS = 50
-REPEATS = 5
 CONTEXTS = (4096, 32768, 131072)
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, mx.bfloat16
-L2_DEFEAT_BYTES = 256 * 2**20
 SWEEPS = {"_TARGET_BLOCKS": (256, 1024), "_TILE": (2, 8)}
 """Tunables of ``butter_raw.kernels`` retimed one at a time against their defaults."""
-
-
-def amortised_us(build: Callable[[], list[mx.array]]) -> float:
-    """Median over REPEATS of (eval of CALLS calls built by ``build``) / CALLS, in µs."""
-    mx.eval(build())
-    samples = []
-    for _ in range(REPEATS):
-        outs = build()
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        samples.append((time.perf_counter() - start) / CALLS * 1e6)
-    return statistics.median(samples)
 
 
 def run_checks() -> list[dict]:
@@ -96,7 +76,7 @@ def kv_buffers(slots: int, count: int) -> list[tuple[mx.array, mx.array]]:
 def time_attention(length: int) -> dict:
     """Our kernel against MLX's SDPA at one context length."""
     live_bytes = 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
-    count = max(1, min(CALLS, math.ceil(L2_DEFEAT_BYTES / live_bytes)))
+    count = copies_for(live_bytes)
     buffers = kv_buffers(2 * length, count)
     exact = [(k[:, :, :length], v[:, :, :length]) for k, v in buffers]
     exact = [(mx.contiguous(k), mx.contiguous(v)) for k, v in exact]
@@ -112,13 +92,13 @@ def time_attention(length: int) -> dict:
         "context": length,
         "buffers": count,
         "live_kv_bytes": live_bytes,
-        "sdpa_decode_us": amortised_us(calls(
-            lambda kv: raw.sdpa_decode(q, kv[0], kv[1], length, scale), buffers)),
-        "mlx_sdpa_live_slice_us": amortised_us(calls(
+        "sdpa_decode_us": amortised(calls(
+            lambda kv: raw.sdpa_decode(q, kv[0], kv[1], length, scale), buffers)).us,
+        "mlx_sdpa_live_slice_us": amortised(calls(
             lambda kv: sdpa(q, kv[0][:, :, :length], kv[1][:, :, :length], scale=scale),
-            buffers)),
-        "mlx_sdpa_exact_us": amortised_us(calls(
-            lambda kv: sdpa(q, kv[0], kv[1], scale=scale), exact)),
+            buffers)).us,
+        "mlx_sdpa_exact_us": amortised(calls(
+            lambda kv: sdpa(q, kv[0], kv[1], scale=scale), exact)).us,
     }
     row["sdpa_decode_tb_s"] = live_bytes / row["sdpa_decode_us"] / 1e6
     for name, values in SWEEPS.items():
@@ -126,8 +106,8 @@ def time_attention(length: int) -> dict:
         try:
             for value in values:
                 setattr(raw, name, value)
-                row[f"sdpa_decode_us{name}={value}"] = amortised_us(calls(
-                    lambda kv: raw.sdpa_decode(q, kv[0], kv[1], length, scale), buffers))
+                row[f"sdpa_decode_us{name}={value}"] = amortised(calls(
+                    lambda kv: raw.sdpa_decode(q, kv[0], kv[1], length, scale), buffers)).us
         finally:
             setattr(raw, name, default)
     return row
@@ -160,9 +140,9 @@ def time_append(length: int) -> dict:
     return {
         "context": length,
         "allocated": 2 * length,
-        "kernel_us": amortised_us(kernel_chain),
-        "slice_assign_donated_us": amortised_us(assign_chain(keep_view=False)),
-        "slice_assign_referenced_us": amortised_us(assign_chain(keep_view=True)),
+        "kernel_us": amortised(kernel_chain).us,
+        "slice_assign_donated_us": amortised(assign_chain(keep_view=False)).us,
+        "slice_assign_referenced_us": amortised(assign_chain(keep_view=True)).us,
     }
 
 
@@ -177,7 +157,7 @@ def print_tables(attention: list[dict], append: list[dict]) -> None:
         print(f"{r['context']:>8} {r['sdpa_decode_us']:>8.1f} {r['sdpa_decode_tb_s']:>6.2f} "
               f"{r['mlx_sdpa_live_slice_us']:>11.1f} {r['mlx_sdpa_exact_us']:>11.1f} "
               f"{r['sdpa_decode_us'] / r['mlx_sdpa_exact_us']:>10.2f}  {sweep}")
-    print(f"\none-token append into a 2L-slot buffer, amortised µs per append")
+    print("\none-token append into a 2L-slot buffer, amortised µs per append")
     print(f"{'context':>8} {'kernel':>9} {'assign (donated)':>17} {'assign (referenced)':>20}")
     for r in append:
         print(f"{r['context']:>8} {r['kernel_us']:>9.1f} {r['slice_assign_donated_us']:>17.1f} "
