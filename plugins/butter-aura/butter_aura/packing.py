@@ -47,15 +47,23 @@ def unpack(words: mx.array, bits: int, n: int) -> mx.array:
     """The first ``n`` codes (uint32 ``[..., n]``) of packed rows ``[..., words]``."""
     if bits not in PACKED_BITS:
         raise ValueError(f"codes are packed at {PACKED_BITS} bits; got {bits}")
-    lead = words.shape[:-1]
+    lead, count = words.shape[:-1], words.shape[-1]
     mask = (1 << bits) - 1
     if 32 % bits == 0:
         shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
         codes = (words[..., None] >> shifts) & mask
-        return codes.reshape(*lead, -1)[..., :n]
-    offsets = mx.arange(n, dtype=mx.uint32) * bits
-    index = (offsets // 32).astype(mx.int32)
+        return codes.reshape(*lead, count * (32 // bits))[..., :n]
+    # 3 bits: 32 codes per 3 words. Code j of a triple starts at bit 3 j of its 96 bits;
+    # codes 0-20 lie within words 0-1 (bits 0-62), codes 21-31 within words 1-2.
+    triples = -(-count // 3)
     wide = words.astype(mx.uint64)
-    padded = mx.concatenate([wide, mx.zeros((*lead, 1), mx.uint64)], axis=-1)
-    pair = mx.take(padded, index, axis=-1) | (mx.take(padded, index + 1, axis=-1) << 32)
-    return ((pair >> (offsets % 32).astype(mx.uint64)) & mask).astype(mx.uint32)
+    if triples * 3 > count:
+        wide = mx.concatenate([wide, mx.zeros((*lead, triples * 3 - count), mx.uint64)], axis=-1)
+    wide = wide.reshape(*lead, triples, 3)
+    low = wide[..., 0] | (wide[..., 1] << 32)
+    high = wide[..., 1] | (wide[..., 2] << 32)
+    codes = mx.concatenate([
+        low[..., None] >> mx.arange(0, 63, 3, dtype=mx.uint64),
+        high[..., None] >> mx.arange(31, 64, 3, dtype=mx.uint64),
+    ], axis=-1) & mask
+    return codes.reshape(*lead, triples * 32)[..., :n].astype(mx.uint32)

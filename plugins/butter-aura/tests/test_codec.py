@@ -98,7 +98,7 @@ def test_unknown_bit_width_is_a_clear_error():
 
 
 @pytest.mark.parametrize("bits", packing.PACKED_BITS)
-@pytest.mark.parametrize("n", [64, 128, 80])
+@pytest.mark.parametrize("n", [64, 128, 80, 96, 33, 7])
 def test_packing_round_trips(bits, n):
     codes = mx.random.randint(0, 2**bits, (3, 2, n), key=mx.random.key(bits)).astype(mx.uint32)
     words = packing.pack(codes, bits)
@@ -106,6 +106,14 @@ def test_packing_round_trips(bits, n):
     assert mx.array_equal(packing.unpack(words, bits, n), codes).item()
     top = mx.full((1, n), 2**bits - 1, mx.uint32)
     assert mx.array_equal(packing.unpack(packing.pack(top, bits), bits, n), top).item()
+
+
+@pytest.mark.parametrize("bits", packing.PACKED_BITS)
+def test_packing_handles_no_rows(bits):
+    empty = mx.zeros((2, 0, 64), mx.uint32)
+    words = packing.pack(empty, bits)
+    assert words.shape == (2, 0, packing.words_per_row(64, bits))
+    assert packing.unpack(words, bits, 64).shape == (2, 0, 64)
 
 
 @pytest.mark.parametrize(("bits", "group"), [(2, 64), (3, 32), (4, 128), (8, 16)])
