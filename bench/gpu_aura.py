@@ -31,6 +31,7 @@ Run on a machine with a GPU backend (the lent H200, or Apple silicon), from the 
    blocks per warp step), ``warps``, ``min_keys`` (per split) or ``read_only`` (loads
    through the read-only data path) changed, while the time
    budget lasts.
+5. **min-keys** — aura4v2 at every context with ``min_keys`` 128-2048, side by side.
 
 Every section runs in its own try/except, so one failure cannot hide the others
 (``--sections`` runs a subset, should a crash of the process itself need working
@@ -316,6 +317,32 @@ def run_tunables() -> list[dict]:
     return rows
 
 
+MIN_KEYS = (128, 256, 512, 1024, 2048)
+
+
+def run_min_keys() -> list[dict]:
+    """aura4v2 through the tensor-core kernel with each ``min_keys`` (keys per split at
+    least: fewer, longer splits build fewer look-up tables) at every context, side by
+    side with the default (``gpu_timing.side_by_side``, 3 rounds)."""
+    rows = []
+    for length in CONTEXTS:
+        first = aura_inputs("aura4v2", length, 0)
+        copies = [first] + [aura_inputs("aura4v2", length, i)
+                            for i in range(1, copies_for(stored_bytes(first["stored"]), MAX_COPIES))]
+        builds = {
+            keys: (lambda keys=keys: [attention.decode_attention(**copies[i % len(copies)], method="mma", min_keys=keys)
+                                      for i in range(CALLS)])
+            for keys in MIN_KEYS
+        }
+        for keys, row in side_by_side(builds, rounds=3).items():
+            rows.append({"context": length, "min_keys": keys, "us": row["median_us"],
+                         "vs_first": row.get("median_ratio", 1.0)})
+            print(f"aura4v2 mma {length // 1024}k min_keys {keys:5d}: {row['median_us']:6.1f} µs "
+                  f"(x{row.get('median_ratio', 1.0):.3f} of min_keys {MIN_KEYS[0]})", flush=True)
+        mx.clear_cache()
+    return rows
+
+
 # -- 3. encode and dequantize ----------------------------------------------------------
 
 
@@ -333,7 +360,7 @@ def run_other_kernels() -> dict:
     return out
 
 
-SECTIONS = ("checks", "decode", "side-by-side", "other", "tunables")
+SECTIONS = ("checks", "decode", "side-by-side", "other", "tunables", "min-keys")
 
 
 def main() -> None:
@@ -352,6 +379,7 @@ def main() -> None:
         ("side-by-side", "side by side at 128k", run_side_by_side),
         ("other", "other kernels", run_other_kernels),
         ("tunables", "tunables", run_tunables),
+        ("min-keys", "keys per split by context", run_min_keys),
     ):
         if key in sections:
             section(name, results, run)
