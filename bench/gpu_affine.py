@@ -88,23 +88,13 @@ TENSOR_CORE_SWEEPS = (
     {"KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
     {"KEY_BLOCKS": 4},
     {"PREFETCH": True},
-    {"STAGES": 2, "TARGET_BLOCKS": 528},
-    {"STAGES": 2},
-    {"STAGES": 3, "TARGET_BLOCKS": 396},
-    {"STAGES": 4},
-    {"STAGES": 3, "KEY_BLOCKS": 1, "TARGET_BLOCKS": 396},
-    {"STAGES": 4, "KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
-    {"STAGES": 4, "KEY_BLOCKS": 1},
 )
 """Overrides of ``butter_affine.kernels.decode_mma``'s tunables, each timed alone for affine4
 and affine8 at 128k. Registers decide threadgroups per multiprocessor (nvcc 13.0, sm_90a,
 bf16, head_dim 128, 4 heads, 4 / 8 bits: ``KEY_BLOCKS`` 1: 122 / 125 -> 4 per
 multiprocessor, so 528 = one wave on 132; ``KEY_BLOCKS`` 2: 148 / 167 with the read-only loads and
 chains {4: 1, 8: 2} (145 / 168 without) -> 3 / 3, with ``PREFETCH`` 158 / 196 -> 3 / 2; ``KEY_BLOCKS`` 4: 235 / 255, 8 bits spilling 4 bytes), so
-``TARGET_BLOCKS`` moves with them. Staged (``STAGES``, shared memory instead of registers):
-125-134 registers, 45.6 / 68.4 / 91.1 KB (4 bits) or 78.3 / 117.5 / 156.7 KB (8 bits) at 2 / 3 /
-4 stages with 2 key blocks, about half that with 1: 4 / 3 / 2 (4 bits) or 2 / 1 / 1 (8 bits)
-threadgroups per multiprocessor. The defaults (``KEY_BLOCKS=2``, no prefetch, read-only
+``TARGET_BLOCKS`` moves with them. The defaults (``KEY_BLOCKS=2``, no prefetch, read-only
 loads, score chains {4: 1, 8: 2}, 264 threadgroups) won the H200 sweeps of 2026-11-30
 (docs/benchmarks.md); these try around them."""
 
