@@ -67,27 +67,6 @@ the first, lower-index element, as CUDA's ``__half2`` and Metal's ``half2`` do.
                                           lane), written to be correct, never compiled or
                                           run here (no Apple GPU): a Metal kernel that wants
                                           speed should use ``simdgroup_matrix`` instead.
-    BT_LARGE_SHARED(type, name, count)    a shared array of ``count`` (a compile-time
-                                          constant, at least 1) elements, 16-byte aligned. CUDA:
-                                          the kernel's dynamic shared memory, so it may exceed
-                                          48 KB; the Kernel's ``shared_memory`` must hold it.
-                                          Metal (no dynamic threadgroup memory in MLX): a static
-                                          threadgroup array.
-    bt_async_copy16(dst, src, bytes)      start copying 16 bytes from global ``src`` (16-byte
-                                          aligned) to shared ``dst`` (16-byte aligned): the
-                                          first ``bytes`` (0..16) from ``src``, the rest zeros
-                                          (``src`` is not read past ``bytes``). CUDA: one
-                                          ``cp.async.cg.shared.global`` (sm_80); the data lands
-                                          some time before a ``bt_async_wait`` covers it.
-                                          Metal: a plain copy.
-    bt_async_commit()                     close this thread's copies started since the last
-                                          commit into one group (possibly empty)
-    bt_async_wait<N>()                    wait until at most the ``N`` newest groups of this
-                                          thread's copies are still in flight, then a warp
-                                          barrier with shared-memory ordering, so every lane's
-                                          finished copies are visible to the warp (every lane
-                                          must call it; CUDA: ``cp.async.wait_group N`` and
-                                          ``__syncwarp``; Metal: a simdgroup barrier)
 
 What MLX generates (read from MLX's custom-kernel sources, mlx 0.32):
 - Metal: ``template <typename T, int D, ...> [[kernel]] void custom_kernel_<name>_<hash>(
@@ -246,16 +225,6 @@ BT_FUNC void bt_mma_16x8x16(float* c, const uint32_t* a, const uint32_t* b, unsi
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-#define BT_LARGE_SHARED(type, name, count) extern __shared__ __align__(16) type name[]
-BT_FUNC void bt_async_copy16(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(static_cast<unsigned int>(__cvta_generic_to_shared(dst))), "l"(src), "r"(bytes) : "memory");
-}
-BT_FUNC void bt_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> BT_FUNC void bt_async_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-  __syncwarp();
-}
 """
 """The CUDA implementation of the tensor-core vocabulary: inline PTX. Kept as one block
 so a CPU emulator of the CUDA dialect can replace it with software versions."""
@@ -305,16 +274,6 @@ BT_FUNC void bt_mma_16x8x16(thread float* c, const thread uint32_t* a, const thr
     c[3] += bt_half2_dot(a1, b10) + bt_half2_dot(a3, b11);
   }
 }
-#define BT_LARGE_SHARED(type, name, count) alignas(16) threadgroup type name[count]
-BT_FUNC void bt_async_copy16(threadgroup void* dst, const device void* src, int bytes) {
-  threadgroup uchar* d = static_cast<threadgroup uchar*>(dst);
-  const device uchar* s = static_cast<const device uchar*>(src);
-  for (int i = 0; i < 16; ++i) {
-    d[i] = i < bytes ? s[i] : 0;
-  }
-}
-BT_FUNC void bt_async_commit() {}
-template <int N> BT_FUNC void bt_async_wait() { simdgroup_barrier(mem_flags::mem_threadgroup); }
 """
 """The Metal implementation of the tensor-core vocabulary: correct per-lane semantics,
 no speed; not compiled here (no Apple GPU)."""
@@ -355,9 +314,8 @@ HEADER: dict[Backend, str] = {
 """Macros and helper functions of the dialect; put before a kernel's own helpers."""
 
 MMA_HEADER: dict[Backend, str] = {"metal": _METAL_MMA, "cuda": _CUDA_MMA}
-"""The tensor-core vocabulary (and ``bt_any``, ``bt_shuffle_u32``, and the asynchronous
-copies to shared memory that sm_80 brought with it): added after ``HEADER`` only for kernels
-built with ``mma=True``, so no other kernel's source changes."""
+"""The tensor-core vocabulary (and ``bt_any``, ``bt_shuffle_u32``): added after ``HEADER``
+only for kernels built with ``mma=True``, so no other kernel's source changes."""
 
 
 def kernel_source(backend: Backend, body: str) -> str:

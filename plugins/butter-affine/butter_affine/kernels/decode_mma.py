@@ -46,14 +46,6 @@ ahead of each warp's loads were tried and measured 15-30% slower (2026-11-30). A
 one-launch merge (the last threadgroup of each head chunk merging the splits) was tried
 and measured 2-6 µs slower per call on the H200 (2026-11-30), because MLX fills such an
 output with a separate kernel.
-
-``STAGES`` (off by default; CUDA only) moves each warp's loads to shared memory: ``cp.async``
-copies (``bt_async_copy16``) into a per-warp ring of ``STAGES`` steps, ``STAGES - 1`` steps
-ahead, with the lanes reading their fragments from it just before use (padded rows: no bank
-conflicts but at 8 bits and D = 256). Same builds as above: 128 registers (4 bits) and 132
-to 134 (8 bits, 64-groups), no spills, and 45.6 / 68.4 / 91.1 KB (4 bits) or 78.3 / 117.5 /
-156.7 KB (8 bits) of shared memory at 2 / 3 / 4 stages: 4 / 3 / 2 or 2 / 1 / 1
-threadgroups per H200 multiprocessor. Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -87,14 +79,6 @@ SCORE_CHAINS = {4: 1, 8: 2}
 (then adds them), halving the chain of dependent tensor-core instructions for 4 more
 registers per block. H200, 128k, with read-only loads, two runs: affine8 80.4 / 78.2 µs
 with 2 against 87.0 / 86.0 with 1; affine4 68.7 / 67.9 with 2 against 67.2 / 65.5."""
-STAGES = 0
-"""0, or the steps each warp keeps in flight through shared memory (2 or more; CUDA only):
-its loads become ``cp.async`` copies into a per-warp ring of ``STAGES`` steps (dynamic
-shared memory, ``staged_shared_bytes``), ``STAGES - 1`` steps ahead of the one it computes,
-so more bytes are in flight per multiprocessor without holding registers; ``PREFETCH`` then
-does nothing. Capped at the stages that fit in ``MAX_SHARED``."""
-MAX_SHARED = 227 * 1024
-"""Dynamic shared memory one threadgroup may take (H100/H200: 227 KB; A100: 163 KB)."""
 MIN_KEYS_PER_SPLIT = 64
 TARGET_BLOCKS = 264
 """Threadgroups the split count aims at (H200: 132 multiprocessors, 2 per multiprocessor
@@ -144,132 +128,6 @@ BT_FUNC void affine_mma_fetch_values(
     affine_load_words<VW, RO>(codes + row * ROW_WORDS, words + k * VW);
     s[k] = RO ? bt_read(scales + row * GROUPS) : scales[row * GROUPS];
     b[k] = RO ? bt_read(biases + row * GROUPS) : biases[row * GROUPS];
-  }
-}
-
-// Staged loads (STAGES > 0): one warp step's rows [at, at + KEYS) in shared memory, a stage
-// of the warp's ring, in uint4 units: key code rows K_STRIDE words apart, value code rows
-// V_STRIDE words apart (from V_AT), then four parameter runs, key scales, key biases,
-// value scales, value biases (from P_AT, PARAMS 16-byte granules each): each run starts
-// at the granule that holds row at's first parameter, so row at's lies MIS elements in
-// (MIS = ((first row of the KV head + at) * GROUPS) % (16 / sizeof(S)), the same for every
-// step of a threadgroup). The padding of the code rows puts the lanes' fragment reads (keys:
-// rows g, g + 8, words q KW..; values: rows 2q, 2q+1, 2q+8, 2q+9, words g VW..) in
-// distinct banks, but for 2048-bit rows (8 bits at D = 256): two-way conflicts there.
-template <int D, int BITS, int GROUP, int KB, typename S>
-struct AffineStage {
-  static constexpr int ROW_WORDS = D * BITS / 32;
-  static constexpr int GROUPS = D / GROUP;
-  static constexpr int KEYS = 16 * KB;
-  static constexpr int K_STRIDE = ROW_WORDS % 32 == 0 ? ROW_WORDS + 4 : ROW_WORDS;
-  static constexpr int V_STRIDE = ROW_WORDS + 4;
-  static constexpr int PARAMS = KEYS * GROUPS * static_cast<int>(sizeof(S)) / 16 + 1;
-  static constexpr int V_AT = KEYS * K_STRIDE / 4;
-  static constexpr int P_AT = V_AT + KEYS * V_STRIDE / 4;
-  static constexpr int SIZE = P_AT + 4 * PARAMS;
-};
-
-// Starts copying a warp step's rows [at, at + KEYS) into stage (St's layout): lane l copies
-// the step's code granules l, l + 32, ... (consecutive lanes on consecutive bytes of the
-// contiguous rows), then granules l, l + 32, ... of the four parameter runs. CLAMP: code
-// rows past last are zero-filled, not read (only the last step of a split needs it); so
-// are parameter bytes past row last's, in every step. Zero codes, scales and biases make
-// zero keys and values: finite, and masked or weighted by 0.
-template <typename St, bool CLAMP, typename S>
-BT_FUNC void affine_mma_stage(
-    BT_SHARED_PTR uint4* stage, const BT_GLOBAL uint32_t* key_codes, const BT_GLOBAL uint32_t* value_codes,
-    const BT_GLOBAL S* key_scales, const BT_GLOBAL S* key_biases, const BT_GLOBAL S* value_scales,
-    const BT_GLOBAL S* value_biases, int64_t first_row, int at, int last, int lane) {
-  constexpr int ROW_GRANULES = St::ROW_WORDS / 4;
-#pragma unroll
-  for (int t = 0; t < St::KEYS * ROW_GRANULES / 32; ++t) {
-    const int r = lane / ROW_GRANULES + t * (32 / ROW_GRANULES);  // the granule's row in the step
-    const bool past = CLAMP && at + r > last;
-    const int64_t word = (first_row + (past ? last : at + r)) * St::ROW_WORDS + 4 * (lane % ROW_GRANULES);
-    bt_async_copy16(stage + r * (St::K_STRIDE / 4) + lane % ROW_GRANULES, key_codes + word, past ? 0 : 16);
-    bt_async_copy16(stage + St::V_AT + r * (St::V_STRIDE / 4) + lane % ROW_GRANULES, value_codes + word,
-                    past ? 0 : 16);
-  }
-  constexpr int ROW_BYTES = St::GROUPS * static_cast<int>(sizeof(S));  // of each parameter
-  const int64_t first = (first_row + at) * ROW_BYTES / 16 * 16;
-  const int64_t end = (first_row + last + 1) * ROW_BYTES;
-#pragma unroll
-  for (int t = 0; t < (4 * St::PARAMS + 31) / 32; ++t) {
-    const int j = lane + 32 * t;
-    if (j < 4 * St::PARAMS) {
-      const int run = j / St::PARAMS;
-      const BT_GLOBAL S* params = run == 0 ? key_scales : run == 1 ? key_biases : run == 2 ? value_scales : value_biases;
-      const int64_t byte = first + 16 * (j % St::PARAMS);
-      const int64_t left = end - byte;
-      bt_async_copy16(stage + St::P_AT + j, reinterpret_cast<const BT_GLOBAL unsigned char*>(params) + byte,
-                      left < 16 ? (left > 0 ? static_cast<int>(left) : 0) : 16);
-    }
-  }
-}
-
-template <int WORDS>
-BT_FUNC void affine_shared_words(const BT_SHARED_PTR uint32_t* src, BT_PRIVATE uint32_t* dst) {
-  if (WORDS % 4 == 0) {
-    const BT_SHARED_PTR uint4* vectors = reinterpret_cast<const BT_SHARED_PTR uint4*>(src);
-#pragma unroll
-    for (int c = 0; c < WORDS / 4; ++c) {
-      const uint4 v = vectors[c];
-      dst[4 * c] = v.x;
-      dst[4 * c + 1] = v.y;
-      dst[4 * c + 2] = v.z;
-      dst[4 * c + 3] = v.w;
-    }
-  } else if (WORDS % 2 == 0) {
-    const BT_SHARED_PTR uint2* vectors = reinterpret_cast<const BT_SHARED_PTR uint2*>(src);
-#pragma unroll
-    for (int c = 0; c < WORDS / 2; ++c) {
-      const uint2 v = vectors[c];
-      dst[2 * c] = v.x;
-      dst[2 * c + 1] = v.y;
-    }
-  } else {
-#pragma unroll
-    for (int c = 0; c < WORDS; ++c) {
-      dst[c] = src[c];
-    }
-  }
-}
-
-// A lane's fragments of a staged step, into the registers that affine_mma_fetch_keys and
-// affine_mma_fetch_values fill, from the same rows and words (word: the lane's first word
-// of a row; group: its first group).
-template <typename St, int KW, int KG, typename S>
-BT_FUNC void affine_mma_read_keys(const BT_SHARED_PTR uint4* stage, int mis, int g, int word, int group,
-                                  BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
-  const BT_SHARED_PTR uint32_t* codes = reinterpret_cast<const BT_SHARED_PTR uint32_t*>(stage) + g * St::K_STRIDE + word;
-  const BT_SHARED_PTR S* scales = reinterpret_cast<const BT_SHARED_PTR S*>(stage + St::P_AT) + mis + g * St::GROUPS + group;
-  const BT_SHARED_PTR S* biases = scales + St::PARAMS * 16 / static_cast<int>(sizeof(S));
-#pragma unroll
-  for (int k = 0; k < St::KEYS / 8; ++k) {
-    const int offset = 16 * (k / 2) + 8 * (k % 2);
-    affine_shared_words<KW>(codes + offset * St::K_STRIDE, words + k * KW);
-#pragma unroll
-    for (int i = 0; i < KG; ++i) {
-      s[k * KG + i] = scales[offset * St::GROUPS + i];
-      b[k * KG + i] = biases[offset * St::GROUPS + i];
-    }
-  }
-}
-
-template <typename St, int VW, typename S>
-BT_FUNC void affine_mma_read_values(const BT_SHARED_PTR uint4* stage, int mis, int q, int word, int group,
-                                    BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
-  const BT_SHARED_PTR uint32_t* codes =
-      reinterpret_cast<const BT_SHARED_PTR uint32_t*>(stage + St::V_AT) + 2 * q * St::V_STRIDE + word;
-  const BT_SHARED_PTR S* scales =
-      reinterpret_cast<const BT_SHARED_PTR S*>(stage + St::P_AT + 2 * St::PARAMS) + mis + 2 * q * St::GROUPS + group;
-  const BT_SHARED_PTR S* biases = scales + St::PARAMS * 16 / static_cast<int>(sizeof(S));
-#pragma unroll
-  for (int k = 0; k < St::KEYS / 4; ++k) {
-    const int offset = 16 * (k / 4) + (k % 2) + 8 * ((k % 4) / 2);
-    affine_shared_words<VW>(codes + offset * St::V_STRIDE, words + k * VW);
-    s[k] = scales[offset * St::GROUPS];
-    b[k] = biases[offset * St::GROUPS];
   }
 }
 """,
@@ -340,60 +198,17 @@ BT_FUNC void affine_mma_read_values(const BT_SHARED_PTR uint4* stage, int mis, i
   const int end = block.end;
   const int last = end - 1;
   int base = block.start + static_cast<int>(warp_id) * KEYS;
-
-  // With STAGES, each warp copies its steps' rows into a ring of STAGES stages in shared
-  // memory (AffineStage), STAGES - 1 steps ahead of the one it computes (bt_async_copy16:
-  // no registers held while they are in flight), and reads a step's key fragments at its
-  // top, its value fragments just before the value product. After the loop the rings hold
-  // the warps' states (STATE floats), so the dynamic shared memory (decode_mma's
-  // staged_shared_bytes) is the larger of the two.
-  using St = AffineStage<D, BITS, GROUP, KB, S>;
-  constexpr int STATE = WARPS * HEADS * (D + 2);
-  constexpr int RING = WARPS * STAGES * St::SIZE > (STATE + 3) / 4 ? WARPS * STAGES * St::SIZE : (STATE + 3) / 4;
-  BT_LARGE_SHARED(uint4, rings, STAGES > 0 ? RING : 1);
-  BT_SHARED_PTR uint4* ring = rings + warp_id * (STAGES * St::SIZE);
-  const int mis = static_cast<int>(((first_row + block.start) * GROUPS) % (16 / static_cast<int>(sizeof(S))));
-  int stage = 0;  // the ring stage of this step
-#define AFFINE_MMA_STAGE(at, into)                                                             \
-  if ((at) + KEYS <= end) {                                                                    \
-    affine_mma_stage<St, false, S>(ring + (into) * St::SIZE, key_codes, value_codes, key_scales, key_biases, \
-                                   value_scales, value_biases, first_row, at, last, lane_id);  \
-  } else {                                                                                     \
-    affine_mma_stage<St, true, S>(ring + (into) * St::SIZE, key_codes, value_codes, key_scales, key_biases, \
-                                  value_scales, value_biases, first_row, at, last, lane_id);   \
-  }
-
-  // With PREFETCH (and no STAGES), a step's keys are loaded during the previous step's
-  // value product and its values during its own score product (one buffer each, no
-  // copies); without, both at the top of the step.
-  if (STAGES > 0) {
-#pragma unroll
-    for (int i = 0; i + 1 < STAGES; ++i) {
-      if (base + i * WARPS * KEYS < end) {
-        AFFINE_MMA_STAGE(base + i * WARPS * KEYS, i)
-      }
-      bt_async_commit();  // one group per step, empty past the end, so the waits count steps
-    }
-  } else if (PREFETCH && base < end) {
+  // With PREFETCH, a step's keys are loaded during the previous step's value product and
+  // its values during its own score product (one buffer each, no copies); without, both
+  // at the top of the step.
+  if (PREFETCH && base < end) {
     AFFINE_MMA_FETCH_KEYS(base)
   }
   for (; base < end; base += WARPS * KEYS) {  // uniform across the warp
-    if (STAGES > 0) {
-      // This step's copies have landed; the stage the last step read takes those of the
-      // step STAGES - 1 ahead.
-      bt_async_wait<(STAGES > 1 ? STAGES - 2 : 0)>();
-      const int ahead = base + (STAGES - 1) * WARPS * KEYS;
-      if (ahead < end) {
-        AFFINE_MMA_STAGE(ahead, stage == 0 ? STAGES - 1 : stage - 1)
-      }
-      bt_async_commit();
-      affine_mma_read_keys<St, KW, KG, S>(ring + stage * St::SIZE, mis, g, q * KW, (q * KCHUNK) / GROUP, kw, ks, kb);
-    } else {
-      if (!PREFETCH) {
-        AFFINE_MMA_FETCH_KEYS(base)
-      }
-      AFFINE_MMA_FETCH_VALUES(base)
+    if (!PREFETCH) {
+      AFFINE_MMA_FETCH_KEYS(base)
     }
+    AFFINE_MMA_FETCH_VALUES(base)
 
     // Scores: Sᵀ = K Qᵀ, one 16-key block at a time.
     float s[KB * NH * 4];
@@ -445,15 +260,11 @@ BT_FUNC void affine_mma_read_values(const BT_SHARED_PTR uint4* stage, int mis, i
       }
     }
 
-    if (STAGES == 0 && PREFETCH && base + WARPS * KEYS < end) {  // the next step's keys, during this step's softmax and values
+    if (PREFETCH && base + WARPS * KEYS < end) {  // the next step's keys, during this step's softmax and values
       AFFINE_MMA_FETCH_KEYS(base + WARPS * KEYS)
     }
     uint32_t pb[KB * NH * 2];
     mma_softmax<NH, KB, DT>(s, m, l, o, pb, lane_id);
-    if (STAGES > 0) {
-      affine_mma_read_values<St, VW, S>(ring + stage * St::SIZE, mis, q, g * VW, (g * VCHUNK) / GROUP, vw, vs, vb);
-      stage = stage + 1 == STAGES ? 0 : stage + 1;
-    }
 
     // Values: Oᵀ += Vᵀ Pᵀ. Dimension tile t holds dims 2t, 2t+1 of the lane's chunk.
 #pragma unroll
@@ -483,17 +294,9 @@ BT_FUNC void affine_mma_read_values(const BT_SHARED_PTR uint4* stage, int mis, i
   BT_SHARED float warp_m[WARPS * HEADS];
   BT_SHARED float warp_l[WARPS * HEADS];
   BT_SHARED float warp_acc[WARPS * HEADS * D];
-  if (STAGES > 0) {  // the states over the rings, once every warp is done with its own
-    BT_BARRIER;
-    BT_SHARED_PTR float* state = reinterpret_cast<BT_SHARED_PTR float*>(rings);
-    mma_write_partials<HEADS, NH, D, WARPS>(
-        m, l, o, lane_id, warp_id, thread_rank, block, state, state + WARPS * HEADS, state + 2 * WARPS * HEADS,
-        partial_acc, partial_max, partial_sum);
-  } else {
-    mma_write_partials<HEADS, NH, D, WARPS>(
-        m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
-        partial_acc, partial_max, partial_sum);
-  }
+  mma_write_partials<HEADS, NH, D, WARPS>(
+      m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
+      partial_acc, partial_max, partial_sum);
 """,
 )
 
@@ -517,66 +320,18 @@ def decode_attention(
         max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
         splits=splits,
     )
-    stages = staged_stages(fmt.bits, dims, fmt.group_size)
-    kernel = _PARTIALS if stages == 0 else _staged_partials(
-        staged_shared_bytes(fmt.bits, dims, fmt.group_size, launch.heads, stages))
-    partials = kernel(
+    partials = _PARTIALS(
         inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
                 mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
-                  ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS[fmt.bits]), ("READ_ONLY", READ_ONLY_LOADS),
-                  ("STAGES", stages)],
+                  ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS[fmt.bits]), ("READ_ONLY", READ_ONLY_LOADS)],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
         output_shapes=launch.output_shapes,
         output_dtypes=launch.output_dtypes,
     )
     return split_k.merge_partials(*partials, queries.dtype)
-
-
-def _stage_bytes(bits: int, dims: int, group: int) -> int:
-    """Bytes of one warp's stage (the kernel's ``AffineStage::SIZE`` uint4): key and value
-    code rows, padded, and four runs of 16-byte parameter granules."""
-    row_words = dims * bits // 32
-    keys = 16 * KEY_BLOCKS
-    k_stride = row_words + 4 if row_words % 32 == 0 else row_words
-    v_stride = row_words + 4
-    params = keys * (dims // group) * 2 // 16 + 1  # 2-byte (float16 / bfloat16) parameters
-    return 16 * (keys * (k_stride + v_stride) // 4 + 4 * params)
-
-
-def staged_stages(bits: int, dims: int, group: int) -> int:
-    """``STAGES``, capped at what fits in ``MAX_SHARED`` (0: loads through registers)."""
-    if STAGES == 0:
-        return 0
-    if STAGES < 2:
-        raise ValueError(f"STAGES must be 0 or at least 2, not {STAGES}")
-    fit = MAX_SHARED // (WARPS * _stage_bytes(bits, dims, group))
-    if fit < 2:
-        raise ValueError(f"two stages of {bits}-bit rows at head_dim {dims} do not fit in {MAX_SHARED} bytes")
-    return min(STAGES, fit)
-
-
-def staged_shared_bytes(bits: int, dims: int, group: int, heads: int, stages: int) -> int:
-    """Dynamic shared memory of the staged kernel: the warps' rings, or after the loop the
-    warps' states (``WARPS * heads * (dims + 2)`` floats), whichever is larger."""
-    return max(WARPS * stages * _stage_bytes(bits, dims, group), -(-WARPS * heads * (dims + 2) // 4) * 16)
-
-
-_STAGED: dict[int, Kernel] = {}
-
-
-def _staged_partials(shared: int) -> Kernel:
-    """The partials kernel with ``shared`` bytes of dynamic shared memory (MLX fixes the size
-    per kernel object, so one object per size)."""
-    if shared not in _STAGED:
-        _STAGED[shared] = Kernel(
-            name=f"{_PARTIALS.name}_staged_{shared}", input_names=_PARTIALS.input_names,
-            output_names=_PARTIALS.output_names, body=_PARTIALS.body, helpers=_PARTIALS.helpers,
-            shared_memory=shared, mma=True,
-        )
-    return _STAGED[shared]
 
 
 def decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:
