@@ -91,7 +91,12 @@ LUT_BYTES = 256 * 256
 copies of the value table's 4 bytes or 16 of its 8 bytes)."""
 MAX_HEADS_PER_BLOCK = 8
 """Query heads one threadgroup serves: the 8 columns of the value MMA."""
-MIN_KEYS_PER_SPLIT = 128
+MIN_KEYS_PER_SPLIT = 2048
+"""Keys per split at least. Each threadgroup first builds 64 KB of look-up tables, so short
+splits pay for tables more than for keys: H200, aura4v2, side by side with 128 (3 rounds,
+2026-11-30, ``python3 bench/gpu_aura.py --sections min-keys``): 4k 34.3 against 43.0 µs
+(0.81x; 1024: 0.76x), 32k 50.7 against 59.6 (0.84x); at 128k the one-wave cap decides the
+split count for every value from 128 to 2048 (0.95-0.99x, noise)."""
 SMS = 132
 """Streaming multiprocessors of the H200."""
 REGISTERS = 168
