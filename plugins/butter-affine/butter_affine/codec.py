@@ -70,6 +70,8 @@ def pack(codes: mx.array, bits: int) -> mx.array:
 def unpack(words: mx.array, bits: int) -> mx.array:
     """The codes (uint32) packed in ``words`` ``[..., n]``: ``[..., n * 32 / bits]``."""
     *lead, _ = words.shape
+    if bits == 8:  # one code per byte of the little-endian words: a byte view, no shifts
+        return mx.view(words, mx.uint8).astype(mx.uint32)
     if bits == 6:
         as_bytes = mx.view(words, mx.uint8).reshape(*lead, -1, 3).astype(mx.uint32)
         triple = as_bytes[..., 0] | (as_bytes[..., 1] << 8) | (as_bytes[..., 2] << 16)

@@ -6,31 +6,38 @@ and single-token decode attention. Per backend, from measurement:
 | operation | CPU | CUDA | Metal (not measured: no Apple GPU here) |
 |---|---|---|---|
 | quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel | ``quantize_kv`` kernel |
-| dequantize | reference (``codec.dequantize``) | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
-| decode | float32: ``mx.quantized_matmul`` on the codes; else dequantize + SDPA | 4/8-bit, float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel | dequantize + SDPA (the seed's path) |
+| dequantize | reference (``codec.dequantize``), compiled | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
+| decode | float32: dequantized keys (compiled) and a matmul for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/8-bit, float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel | dequantize + SDPA (the seed's path) |
 
 CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
-``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does, and
-the quantized_matmul path is the fastest of the three, but ~3x raw SDPA's time
-(``bench/cpu_decode_paths.py``, 30 default-model layers at 1k context, quiet machine,
-2026-11-30: 25-34 ms against 8.3-8.6 for raw; reference dequantize + SDPA 27-48,
-``mx.dequantize`` + SDPA 30-59). An earlier measurement (45.7 against 42.4 ms at 2k)
-did not hold up. This is most of affine's CPU decode tax (0.70x raw's tok/s in
-``butter bench``); MLX's CPU quantized kernels, not butter's code, are the cost. In bf16, ``mx.quantized_matmul``
-computes in bf16 (3e-2 relative error against the float32 reference), so other dtypes
-dequantize to float32 and use SDPA.
+``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does.
+MLX's CPU ``quantized_matmul`` is quick for the values' product (``transpose=False``)
+but slow for the scores' (``transpose=True``: ~490 against ~110 µs per default-model
+layer at 1k), so the scores come from the keys dequantized by a compiled
+``codec.dequantize`` (8-bit codes through a byte view) and a BLAS matmul. 30
+default-model layers, quiet machine, 2026-11-30, both forms side by side on the same
+caches: affine8 15.5-17.1 ms against 21.6-22.3 with ``quantized_matmul`` for both
+products, at 2k 28.0-28.2 against 42.4-42.9 (the form before the byte view: 38.0-38.4);
+affine4 22.0-22.7 against 23.4-24.6; raw SDPA 5.8-6.9 (1k) and 18.0-19.1 (2k). Reference
+dequantize + SDPA 28-46, ``mx.dequantize`` + SDPA 31-57 (``bench/cpu_decode_paths.py``).
+This is most of affine's CPU decode tax; MLX's CPU quantized kernels and elementwise
+unpacking, not butter's code, are the cost. In bf16, ``mx.quantized_matmul`` computes in
+bf16 (3e-2 relative error against the float32 reference), so other dtypes dequantize to
+float32 and use SDPA.
 
 CUDA (H200, bf16, 32/8 heads, D=128, amortised; docs/benchmarks.md): the fused kernel
 is the fastest accurate path at every context measured: at 128k, affine4 157.6 µs
 against 315.4 for ``mx.quantized_matmul`` and 2648 for dequantize + SDPA. At 4k
 ``mx.quantized_matmul`` is faster (31 against 45 µs) but computes in bf16, and on 8-bit
-codes it crashed MLX 0.32.4 (illegal memory access), so it is not used.
+codes in the form the CPU path uses (query heads as matrix rows) it crashed MLX 0.32.4
+(illegal memory access), so it is not used.
 
 The tensor-core kernel (``kernels.decode_mma``) takes 4- and 8-bit codes with float16 or
 bfloat16 queries and scales, and head_dim 64/128/256; 6-bit codes and float32 keep the
 float32 ``decode`` kernel. On the H200 at 128k it takes 0.4x the float32 kernel's time
-(affine4 63.0-71.3 against 157-162 µs; 0.47-0.55x raw SDPA's; ``bench/gpu_affine.py``), and
-0.82-0.97x raw's at 4k and 32k.
+(affine4 63.0-71.3 against 157-162 µs; ``bench/gpu_affine.py``); side by side with raw
+SDPA, 0.505-0.512x its time (medians of 7-9 rounds; single rounds 0.48-0.53x), and
+0.79-1.16x raw's at 4k and 32k.
 """
 
 from __future__ import annotations
@@ -108,31 +115,37 @@ def _cpu_ops(fmt: PackedFormat) -> AffineOps:
     else:
         quantize_rows = mx.compile(partial(quantize.quantize_kv_reference, bits=bits, group_size=group_size))
 
+    dequantize_rows = mx.compile(partial(codec.dequantize, bits=bits, dtype=fmt.dtype))
+
     def dequantize_live(buffers, length):
         live = [buffers[name][:, :, :length] for name in BUFFERS]
-        return codec.dequantize(*live[:3], bits, fmt.dtype), codec.dequantize(*live[3:], bits, fmt.dtype)
+        return dequantize_rows(*live[:3]), dequantize_rows(*live[3:])
 
     return AffineOps(
         name="cpu, pure mx",
         quantize=quantize_rows,
         dequantize=dequantize_live,
-        decode=partial(quantized_matmul_decode, bits=bits, group_size=group_size) if fmt.dtype == mx.float32 else None,
+        decode=partial(float32_decode, bits=bits, group_size=group_size, dequantize_keys=dequantize_rows)
+        if fmt.dtype == mx.float32 else None,
     )
 
 
-def quantized_matmul_decode(
-    queries: mx.array, buffers: Buffers, length: int, scale: float, *, bits: int, group_size: int
+def float32_decode(
+    queries: mx.array, buffers: Buffers, length: int, scale: float, *, bits: int, group_size: int,
+    dequantize_keys: Callable[[mx.array, mx.array, mx.array], mx.array],
 ) -> mx.array:
-    """Single-token attention through ``mx.quantized_matmul`` on the codes (mlx-lm's path):
-    scores = q Kᵀ, softmax, out = p V, each matmul dequantizing as it reads."""
+    """Single-token attention over float32 codes on the CPU: scores against the live keys
+    dequantized by ``dequantize_keys`` (a compiled ``codec.dequantize``) through a float32
+    matmul, then ``mx.quantized_matmul`` for the values (mlx-lm uses it for both products).
+
+    MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
+    ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = buffers["key_codes"].shape[1]
     live = {name: array[:, :, :length] for name, array in buffers.items()}
     q = (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
-    scores = mx.quantized_matmul(
-        q, live["key_codes"], live["key_scales"], live["key_biases"], transpose=True, group_size=group_size, bits=bits
-    )
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    keys = dequantize_keys(live["key_codes"], live["key_scales"], live["key_biases"])
+    weights = mx.softmax(q @ keys.swapaxes(-1, -2), axis=-1, precise=True)
     out = mx.quantized_matmul(
         weights, live["value_codes"], live["value_scales"], live["value_biases"],
         transpose=False, group_size=group_size, bits=bits,

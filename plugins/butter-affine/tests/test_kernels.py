@@ -12,7 +12,7 @@ from butter_core.kernels.checks import DEFAULT_RTOL
 from butter_affine import codec
 from butter_affine import ops
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
-from butter_affine.ops import quantized_matmul_decode
+from butter_affine.ops import float32_decode
 from butter_affine.packing import BUFFERS, PackedFormat
 
 CASES = [
@@ -61,15 +61,16 @@ def test_decode_reference_matches_numpy(dtype, bits, group_size, q_heads, kv_hea
 
 
 @pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (6, 32), (8, 64), (4, 128)])
-def test_quantized_matmul_decode_matches_reference_in_float32(bits, group_size):
-    """The CPU decode path (mlx-lm's route through ``mx.quantized_matmul``); on the CPU stream,
-    since MLX's CUDA quantized_matmul has no float32 kernel for these shapes."""
+def test_float32_decode_matches_reference(bits, group_size):
+    """The CPU decode path (dequantized keys, ``mx.quantized_matmul`` values); on the CPU
+    stream, since MLX's CUDA quantized_matmul has no float32 kernel for these shapes."""
     inputs = decode.make_inputs(5, bits=bits, group_size=group_size, q_heads=8, kv_heads=2, head_dim=128,
                                 allocated=300, length=257, dtype=mx.float32)
     buffers = {name: inputs[name] for name in BUFFERS}
     with mx.stream(mx.cpu):
-        out = quantized_matmul_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"],
-                                      bits=bits, group_size=group_size)
+        out = float32_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"], bits=bits,
+                             group_size=group_size,
+                             dequantize_keys=lambda *k: codec.dequantize(*k, bits, mx.float32))
     assert relative_error(out, decode.decode_attention_reference(**inputs)) <= 1e-5
 
 
