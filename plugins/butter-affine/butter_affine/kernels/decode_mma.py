@@ -31,21 +31,31 @@ float16 (|x| < 65504); scales below 2^-14 (6.1e-5) lose relative precision as fl
 subnormals.
 
 Speed, measured on the H200 (``bench/gpu_affine.py``, MLX 0.32.4, bf16, batch 1, 32/8
-heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, affine4 63.0 µs against
-132.9 µs for MLX's SDPA on raw bf16 in the same run (0.47x; 2.7 TB/s), affine8 79.9 µs
-(0.60x); another run 71.3 against 129.9 (0.55x) and 80.7 (0.62x); 157 µs for ``decode``. Chained like a decode step's layers, 0.64x / 0.71x. At
-4k and 32k it takes 0.82-0.98x raw SDPA's time. The first defaults took 79.9 µs (affine4)
-and the first sweep's 73.2; read-only loads, two score chains for 8 bits and 264
-threadgroups (the tunables below) brought it to 63.
+heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, side by side with MLX's
+SDPA on raw bf16 (9 rounds, each round's ratio; ``gpu_timing.side_by_side``), affine4
+takes 0.505x raw's time (median; rounds 0.493-0.529, 63.4-67.4 µs against 127-131) and
+affine8 0.589x (74-77 µs); single passes of earlier runs gave 0.47-0.55x and 0.59-0.62x.
+Chained like a decode step's layers, 0.64-0.66x / 0.70-0.71x. At 4k and 32k it takes
+0.79-1.16x raw SDPA's time (per-call costs dominate there). The float32 ``decode`` takes
+157 µs at 128k. The partials kernel is the whole cost: with the merge kernel left out the
+call takes 63.5 against 63.7 µs (the merge, 6.3 µs alone, overlaps the next call's
+partials). The first defaults took 79.9 µs (affine4) and the first sweep's 73.2;
+read-only loads, two score chains for 8 bits and 264 threadgroups (the tunables below)
+brought it to 63-67.
 
 Counted in the sm_90a PTX (nvcc 13.0; 4 bits, 4 heads), a lane spends ~350
 instructions per 16 keys where ``decode`` spends ~850. Registers at the defaults (nvcc
-13.0, sm_90a, bf16, D = 128, 4 heads), no spills: 148 (4 bits) and 167 (8 bits), room for
+13.0, sm_90a, bf16, D = 128, 4 heads), no spills: 148 (4 bits) and 167-168 (8 bits), room for
 three threadgroups of 128 threads per multiprocessor (``decode``: 255). L2 prefetch hints
 ahead of each warp's loads were tried and measured 15-30% slower (2026-11-30). A
 one-launch merge (the last threadgroup of each head chunk merging the splits) was tried
 and measured 2-6 µs slower per call on the H200 (2026-11-30), because MLX fills such an
-output with a separate kernel.
+output with a separate kernel. Loads staged through shared memory instead of registers
+(``cp.async`` into a per-warp ring of 2-4 steps, 125-134 registers, up to 4 threadgroups
+per multiprocessor) passed every check but were no faster (affine4 0.507-0.556x raw
+against 0.512x for these defaults, affine8 0.635-0.812x against 0.590x, side by side,
+2026-11-30; removed in 177b167): more bytes in flight does not help, so the kernel is
+not bound by load latency.
 """
 
 from __future__ import annotations
