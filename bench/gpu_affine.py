@@ -60,7 +60,7 @@ import mlx.core as mx
 from butter_core import Affine, LayerSpec, Raw, make_layer_caches
 from butter_core.kernels import gpu_backend
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
-from gpu_timing import CALLS, amortised, copies_for, quantized_matmul_attention, side_by_side
+from gpu_timing import CALLS, amortised, copies_for, print_side_by_side, quantized_matmul_attention, side_by_side
 from butter_affine.packing import BUFFERS, PackedFormat
 
 CONTEXTS = (4096, 32768, 131072)
@@ -264,10 +264,7 @@ def time_side_by_side(length: int = 131072) -> dict[str, dict]:
         builds[f"{name} tensor-core kernel"] = lambda sets=sets: [decode_mma.decode_attention(
             q, *(sets[i % len(sets)][n] for n in BUFFERS), length=length, scale=scale) for i in range(CALLS)]
     rows = side_by_side(builds, rounds=SIDE_BY_SIDE_ROUNDS)
-    for path, row in rows.items():
-        ratios = (f"  x raw: median {row['median_ratio']:.3f} (rounds {row['min_ratio']:.3f}-{row['max_ratio']:.3f})"
-                  if "ratios" in row else "")
-        print(f"  side by side {length:>7} {path:28s} median {row['median_us']:7.1f} µs{ratios}", flush=True)
+    print_side_by_side(rows, f"  side by side {length:>7}")
     return rows
 
 

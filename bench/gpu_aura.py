@@ -61,7 +61,7 @@ from butter_core.kernels import KernelCheck, gpu_backend  # noqa: E402
 from butter_aura import reference  # noqa: E402
 from butter_aura.kernels import KERNEL_CHECKS, attention, checks, dequantize, encode  # noqa: E402
 from butter_aura.layout import codecs  # noqa: E402
-from gpu_timing import CALLS, amortised, copies_for, quantized_matmul_attention, side_by_side  # noqa: E402
+from gpu_timing import CALLS, amortised, copies_for, print_side_by_side, quantized_matmul_attention, side_by_side  # noqa: E402
 
 CONTEXTS = (4096, 32768, 131072)
 Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, mx.bfloat16
@@ -239,10 +239,7 @@ def run_side_by_side(length: int = 131072) -> dict[str, dict]:
         builds[f"{name} mma"] = lambda copies=copies: [attention.decode_attention(**copies[i % len(copies)], method="mma")
                                                        for i in range(CALLS)]
     rows = side_by_side(builds, rounds=SIDE_BY_SIDE_ROUNDS)
-    for path, row in rows.items():
-        ratios = (f"  x raw: median {row['median_ratio']:.3f} (rounds {row['min_ratio']:.3f}-{row['max_ratio']:.3f})"
-                  if "ratios" in row else "")
-        print(f"side by side {length // 1024}k {path:12s} median {row['median_us']:7.1f} µs{ratios}", flush=True)
+    print_side_by_side(rows, f"side by side {length // 1024}k")
     return rows
 
 

@@ -83,6 +83,16 @@ def side_by_side(builds: dict[str, Callable[[], list[mx.array]]], *, rounds: int
     return out
 
 
+def print_side_by_side(rows: dict[str, dict], prefix: str) -> None:
+    """One line per path of a ``side_by_side`` result: median µs and, but for the first,
+    the median ratio and the rounds' range."""
+    width = max(len(path) for path in rows)
+    for path, row in rows.items():
+        ratios = (f"  x first: median {row['median_ratio']:.3f} (rounds {row['min_ratio']:.3f}-{row['max_ratio']:.3f})"
+                  if "ratios" in row else "")
+        print(f"{prefix} {path:{width}s} median {row['median_us']:7.1f} µs{ratios}", flush=True)
+
+
 def copies_for(nbytes: int, most: int = CALLS) -> int:
     """Independent input sets of ``nbytes`` each to cycle through (at most ``most``)."""
     return max(1, min(most, math.ceil(L2_DEFEAT_BYTES / max(nbytes, 1))))
