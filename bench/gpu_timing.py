@@ -105,9 +105,9 @@ def quantized_matmul_attention(queries: mx.array, keys: tuple, values: tuple, sc
     ``mx.quantized_matmul``, as mlx-lm's quantized KV cache computes it (query heads of a
     KV head as a batch axis, the codes broadcast over it; softmax ``precise``).
 
-    ``butter_affine.ops.quantized_matmul_decode`` (the CPU float32 path) batches the
-    query heads as matrix rows instead — fewer reads of the codes on the CPU, but that
-    form crashed MLX 0.32.4's CUDA backend on 8-bit codes; this one runs there."""
+    The form with the query heads as matrix rows instead (what butter-affine's CPU path
+    uses for the values: fewer reads of the codes there) crashed MLX 0.32.4's CUDA
+    backend on 8-bit codes; this one runs there."""
     batch, q_heads, tokens, dims = queries.shape
     kv_heads = keys[0].shape[1]
     q = (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, tokens, dims)
