@@ -258,13 +258,15 @@ BT_FUNC void affine_mma_fetch_values(
 #pragma unroll
         for (int i = 0; i < NH * 4; ++i) s[b * NH * 4 + i] += s_odd[i];
       }
+      if (base + KEYS > end) {  // only a split's last step (uniform) reaches past its end
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (base + 16 * b + g + 8 * r >= end) {
+        for (int r = 0; r < 2; ++r) {
+          if (base + 16 * b + g + 8 * r >= end) {
 #pragma unroll
-          for (int nh = 0; nh < NH; ++nh) {
-            s[(b * NH + nh) * 4 + 2 * r] = BT_NEG_INF;
-            s[(b * NH + nh) * 4 + 2 * r + 1] = BT_NEG_INF;
+            for (int nh = 0; nh < NH; ++nh) {
+              s[(b * NH + nh) * 4 + 2 * r] = BT_NEG_INF;
+              s[(b * NH + nh) * 4 + 2 * r + 1] = BT_NEG_INF;
+            }
           }
         }
       }
