@@ -34,7 +34,8 @@ Speed, measured on the H200 (``bench/gpu_affine.py``, MLX 0.32.4, bf16, batch 1,
 heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, side by side with MLX's
 SDPA on raw bf16 (9 rounds, each round's ratio; ``gpu_timing.side_by_side``), affine4
 takes 0.505x raw's time (median; rounds 0.493-0.529, 63.4-67.4 µs against 127-131) and
-affine8 0.589x (74-77 µs); single passes of earlier runs gave 0.47-0.55x and 0.59-0.62x.
+affine8 0.589x (74-77 µs); five later runs of the same measurement 0.488-0.512x and
+0.581-0.596x; single passes of earlier runs gave 0.47-0.55x and 0.59-0.62x.
 Chained like a decode step's layers, 0.64-0.66x / 0.70-0.71x. At 4k and 32k it takes
 0.79-1.16x raw SDPA's time (per-call costs dominate there). The float32 ``decode`` takes
 157 µs at 128k. The partials kernel is the whole cost: with the merge kernel left out the
