@@ -36,7 +36,7 @@ The tensor-core kernel (``kernels.decode_mma``) takes 4- and 8-bit codes with fl
 bfloat16 queries and scales, and head_dim 64/128/256; 6-bit codes and float32 keep the
 float32 ``decode`` kernel. On the H200 at 128k it takes 0.4x the float32 kernel's time
 (affine4 63.0-71.3 against 157-162 µs; ``bench/gpu_affine.py``); side by side with raw
-SDPA, 0.505-0.512x its time (medians of 7-9 rounds; single rounds 0.48-0.53x), and
+SDPA, 0.488-0.512x its time (medians of 7-9 rounds in six runs; single rounds 0.45-0.53x), and
 0.79-1.16x raw's at 4k and 32k.
 """
 
