@@ -43,7 +43,7 @@ SDPA, 0.488-0.512x its time (medians of 7-9 rounds in six runs; single rounds 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import partial, reduce
 
 import attrs
 import mlx.core as mx
@@ -125,18 +125,19 @@ def _cpu_ops(fmt: PackedFormat) -> AffineOps:
         name="cpu, pure mx",
         quantize=quantize_rows,
         dequantize=dequantize_live,
-        decode=partial(float32_decode, bits=bits, group_size=group_size, dequantize_keys=dequantize_rows)
-        if fmt.dtype == mx.float32 else None,
+        decode=partial(float32_decode, bits=bits, group_size=group_size, key_planes=mx.compile(
+            partial(codec.dequantize_planes, bits=bits, dtype=mx.float32))) if fmt.dtype == mx.float32 else None,
     )
 
 
 def float32_decode(
     queries: mx.array, buffers: Buffers, length: int, scale: float, *, bits: int, group_size: int,
-    dequantize_keys: Callable[[mx.array, mx.array, mx.array], mx.array],
+    key_planes: Callable[[mx.array, mx.array, mx.array], list[mx.array]],
 ) -> mx.array:
     """Single-token attention over float32 codes on the CPU: scores against the live keys
-    dequantized by ``dequantize_keys`` (a compiled ``codec.dequantize``) through a float32
-    matmul, then ``mx.quantized_matmul`` for the values (mlx-lm uses it for both products).
+    dequantized as planes by ``key_planes`` (a compiled ``codec.dequantize_planes``),
+    through float32 matmuls, then ``mx.quantized_matmul`` for the values (mlx-lm uses it
+    for both products).
 
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
     ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements."""
@@ -144,8 +145,10 @@ def float32_decode(
     kv_heads = buffers["key_codes"].shape[1]
     live = {name: array[:, :, :length] for name, array in buffers.items()}
     q = (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
-    keys = dequantize_keys(live["key_codes"], live["key_scales"], live["key_biases"])
-    weights = mx.softmax(q @ keys.swapaxes(-1, -2), axis=-1, precise=True)
+    planes = key_planes(live["key_codes"], live["key_scales"], live["key_biases"])
+    n = len(planes)
+    scores = reduce(mx.add, [q[..., k::n] @ plane.swapaxes(-1, -2) for k, plane in enumerate(planes)])
+    weights = mx.softmax(scores, axis=-1, precise=True)
     out = mx.quantized_matmul(
         weights, live["value_codes"], live["value_scales"], live["value_biases"],
         transpose=False, group_size=group_size, bits=bits,

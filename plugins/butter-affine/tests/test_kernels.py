@@ -70,7 +70,7 @@ def test_float32_decode_matches_reference(bits, group_size):
     with mx.stream(mx.cpu):
         out = float32_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"], bits=bits,
                              group_size=group_size,
-                             dequantize_keys=lambda *k: codec.dequantize(*k, bits, mx.float32))
+                             key_planes=lambda *k: codec.dequantize_planes(*k, bits, mx.float32))
     assert relative_error(out, decode.decode_attention_reference(**inputs)) <= 1e-5
 
 

@@ -71,6 +71,17 @@ def test_pack_unpack_round_trip(bits):
     assert mx.array_equal(codec.unpack(packed, bits), codes).item()
 
 
+@pytest.mark.parametrize(("bits", "group_size"), FORMATS)
+def test_dequantize_planes_hold_the_rows_coordinates(bits, group_size):
+    x = mx.random.normal((2, 3, 5, 128), key=mx.random.key(bits + group_size))
+    codes, scales, biases = codec.quantize(x, bits, group_size)
+    rows = codec.dequantize(codes[:, :, 1:4], scales[:, :, 1:4], biases[:, :, 1:4], bits, mx.float32)
+    planes = codec.dequantize_planes(codes[:, :, 1:4], scales[:, :, 1:4], biases[:, :, 1:4], bits, mx.float32)
+    assert len(planes) == (2 if bits == 4 else 1)
+    for k, plane in enumerate(planes):
+        assert mx.array_equal(plane, rows[..., k::len(planes)]).item()
+
+
 def test_six_bit_codes_are_byte_packed():
     """Four 6-bit codes in three little-endian bytes, MLX's sub-byte layout."""
     codes = mx.array([[1, 2, 3, 63] * 8], dtype=mx.uint32)
