@@ -7,18 +7,19 @@ and single-token decode attention. Per backend, from measurement:
 |---|---|---|---|
 | quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel | ``quantize_kv`` kernel |
 | dequantize | reference (``codec.dequantize``), compiled | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
-| decode | float32: dequantized keys (compiled) and a matmul for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/8-bit, float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel | dequantize + SDPA (the seed's path) |
+| decode | float32: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/8-bit, float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel | dequantize + SDPA (the seed's path) |
 
 CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
 ``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does.
 MLX's CPU ``quantized_matmul`` is quick for the values' product (``transpose=False``)
 but slow for the scores' (``transpose=True``: ~490 against ~110 µs per default-model
 layer at 1k), so the scores come from the keys dequantized by a compiled
-``codec.dequantize`` (8-bit codes through a byte view) and a BLAS matmul. 30
-default-model layers, quiet machine, 2026-11-30, both forms side by side on the same
-caches: affine8 15.5-17.1 ms against 21.6-22.3 with ``quantized_matmul`` for both
-products, at 2k 28.0-28.2 against 42.4-42.9 (the form before the byte view: 38.0-38.4);
-affine4 22.0-22.7 against 23.4-24.6; raw SDPA 5.8-6.9 (1k) and 18.0-19.1 (2k). Reference
+``codec.dequantize_planes`` (8-bit codes through a byte view, 4-bit codes as two planes
+of nibbles) and BLAS matmuls. 30 default-model layers, quiet machine, 2026-11-30, both
+forms side by side on the same caches: affine8 15.5-17.1 ms against 21.6-22.3 with
+``quantized_matmul`` for both products, at 2k 28.0-28.2 against 42.4-42.9 (the form
+before the byte view: 38.0-38.4); affine4 17.4-18.2 against 23.2-24.0 (interleaved
+rows instead of planes: 22.0-22.7); raw SDPA 5.7-6.9 (1k) and 18.0-19.1 (2k). Reference
 dequantize + SDPA 28-46, ``mx.dequantize`` + SDPA 31-57 (``bench/cpu_decode_paths.py``).
 This is most of affine's CPU decode tax; MLX's CPU quantized kernels and elementwise
 unpacking, not butter's code, are the cost. In bf16, ``mx.quantized_matmul`` computes in
