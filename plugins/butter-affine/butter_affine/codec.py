@@ -58,20 +58,22 @@ def dequantize_planes(
     codes: mx.array, scales: mx.array, biases: mx.array, bits: int, dtype: mx.Dtype
 ) -> list[mx.array]:
     """``dequantize``'s rows as planes: with ``n`` planes, plane ``k`` holds coordinates
-    ``k, k + n, k + 2n, ...`` — two for 4-bit codes (a byte's low and high nibble),
-    otherwise one, the rows in order. For products that take the coordinates in any order
-    (``q · k``): the planes skip the interleaving, which on the CPU costs more than the
-    arithmetic."""
-    if bits != 4:
-        return [dequantize(codes, scales, biases, bits, dtype)]
+    ``k, k + n, k + 2n, ...`` — two for 4-bit codes (a byte's low and high nibble), four
+    for 6-bit ones (the codes of a 3-byte triple), one for 8-bit ones (the bytes). For
+    products that take the coordinates in any order (``q · k``): the planes skip the
+    interleaving, which on the CPU costs more than the arithmetic."""
     as_bytes = mx.view(codes, mx.uint8)
+    if bits == 4:
+        planes = [as_bytes & 0xF, as_bytes >> 4]
+    elif bits == 6:
+        b0, b1, b2 = (as_bytes[..., k::3] for k in range(3))
+        planes = [b0 & 0x3F, (b0 >> 6) | ((b1 & 0xF) << 2), (b1 >> 4) | ((b2 & 0x3) << 4), b2 >> 2]
+    else:
+        planes = [as_bytes]
     lead, groups = as_bytes.shape[:-1], scales.shape[-1]
     s = scales.astype(mx.float32)[..., None]
     b = biases.astype(mx.float32)[..., None]
-    return [
-        (nibbles.astype(mx.float32).reshape(*lead, groups, -1) * s + b).reshape(*lead, -1).astype(dtype)
-        for nibbles in (as_bytes & 0xF, as_bytes >> 4)
-    ]
+    return [(p.astype(mx.float32).reshape(*lead, groups, -1) * s + b).reshape(*lead, -1).astype(dtype) for p in planes]
 
 
 def pack(codes: mx.array, bits: int) -> mx.array:
