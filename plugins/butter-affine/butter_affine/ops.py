@@ -14,12 +14,13 @@ CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
 MLX's CPU ``quantized_matmul`` is quick for the values' product (``transpose=False``)
 but slow for the scores' (``transpose=True``: ~490 against ~110 µs per default-model
 layer at 1k), so the scores come from the keys dequantized by a compiled
-``codec.dequantize_planes`` (8-bit codes through a byte view, 4-bit codes as two planes
-of nibbles) and BLAS matmuls. 30 default-model layers, quiet machine, 2026-11-30, both
+``codec.dequantize_planes`` (8-bit codes through a byte view, 4- and 6-bit codes as
+planes of every second or fourth coordinate) and BLAS matmuls. 30 default-model layers, quiet machine, 2026-11-30, both
 forms side by side on the same caches: affine8 15.5-17.1 ms against 21.6-22.3 with
 ``quantized_matmul`` for both products, at 2k 28.0-28.2 against 42.4-42.9 (the form
 before the byte view: 38.0-38.4); affine4 17.4-18.2 against 23.2-24.0 (interleaved
-rows instead of planes: 22.0-22.7); raw SDPA 5.7-6.9 (1k) and 18.0-19.1 (2k). Reference
+rows instead of planes: 22.0-22.7); affine6 26.7-27.9 against 29.1-30.0 (interleaved:
+30.2-31.6); raw SDPA 5.7-6.9 (1k) and 18.0-19.1 (2k). Reference
 dequantize + SDPA 28-46, ``mx.dequantize`` + SDPA 31-57 (``bench/cpu_decode_paths.py``).
 This is most of affine's CPU decode tax; MLX's CPU quantized kernels and elementwise
 unpacking, not butter's code, are the cost. In bf16, ``mx.quantized_matmul`` computes in
