@@ -45,7 +45,7 @@ SDPA, 0.488-0.512x its time (medians of 7-9 rounds in six runs; single rounds 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial, reduce
+from functools import cache, partial, reduce
 
 import attrs
 import mlx.core as mx
@@ -106,7 +106,10 @@ def _tensor_core_decode(queries: mx.array, buffers: Buffers, length: int, scale:
     return decode_mma.decode_attention(queries, *(buffers[name] for name in BUFFERS), length=length, scale=scale)
 
 
+@cache
 def _cpu_ops(fmt: PackedFormat) -> AffineOps:
+    """The CPU functions for ``fmt``, made once per format: every layer's cache shares them,
+    so each ``mx.compile``d function is traced once, not once per layer."""
     bits, group_size = fmt.bits, fmt.group_size
     if fmt.dtype == mx.float32:
         def quantize_rows(keys, values):
