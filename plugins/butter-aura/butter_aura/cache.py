@@ -62,8 +62,7 @@ class AuraCache(BufferedSlotCache):
         self.ops = ops or reference
         self._fp = self._empty_full_precision()
         self._recent_host = [-1] * self.budget.ring
-        """Host mirror of ``recent_slots``: the kernels get its range without a device sync."""
-        self._recent_range: tuple[int, int] | None = (1, 0)
+        """Host mirror of ``recent_slots`` (``StoredLayer.recent_host``): its range and slots without a device sync."""
         self._pending: tuple[int, mx.array, mx.array] | None = None
 
     # -- storage ---------------------------------------------------------------
@@ -110,15 +109,7 @@ class AuraCache(BufferedSlotCache):
             fp["fp_values"][:, :, rows] = values[:, :, first - start : stop - start].astype(self.fp_dtype)
             fp["recent_slots"][residue : residue + n] = mx.arange(first, stop, dtype=mx.int32)
             self._recent_host[residue : residue + n] = range(first, stop)
-            self._recent_range = None
             first = stop
-
-    def _recent_slot_range(self) -> tuple[int, int]:
-        """Smallest and largest slot the recent ring holds ((1, 0) when empty)."""
-        if self._recent_range is None:
-            held = [slot for slot in self._recent_host if slot >= 0]
-            self._recent_range = (min(held), max(held)) if held else (1, 0)
-        return self._recent_range
 
     def stored(self, length: int | None = None) -> StoredLayer:
         """What attention reads: the coded slots ``[0, length)`` (default: all live) and the full-precision rows."""
@@ -137,7 +128,6 @@ class AuraCache(BufferedSlotCache):
             key_codec=self.key_codec,
             value_codec=self.value_codec,
             rotation=self.rotation,
-            recent_range=self._recent_slot_range(),
             recent_host=tuple(self._recent_host),
         )
 
@@ -193,7 +183,6 @@ class AuraCache(BufferedSlotCache):
         super().import_slots({k: v for k, v in arrays.items() if k not in FULL_PRECISION_ARRAYS}, length)
         self._fp = {name: mx.array(array).astype(expected[name].dtype) for name, array in fp.items()}
         self._recent_host = self._fp["recent_slots"].tolist()
-        self._recent_range = None
         self._pending = None
 
     def meta_state(self):

@@ -6,6 +6,8 @@ the GPU kernels (``kernels/``) take exactly this bundle.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import mlx.core as mx
 
@@ -37,12 +39,9 @@ class StoredLayer:
     key_codec: Codec
     value_codec: Codec
     rotation: Rotation
-    recent_range: tuple[int, int] | None = None
-    """Smallest and largest slot in ``recent_slots`` if known on the host (the kernels
-    skip their ring look-up outside it); None: read from the array when needed."""
     recent_host: tuple[int, ...] | None = None
-    """``recent_slots`` as known on the host (the CPU path finds the full-precision slots
-    without reading the array); None: read from the array when needed."""
+    """``recent_slots`` as known on the host (``recent_range`` and ``full_precision_slots``
+    need no read of the array); None: read from the array when needed."""
 
     def __attrs_post_init__(self):
         if not 0 <= self.length <= self.key_codes.shape[2]:
@@ -67,12 +66,21 @@ class StoredLayer:
         member = sink | (mx.take(self.recent_slots, residue) == slots)
         return member, mx.where(sink, slots, self.sinks + residue)
 
+    def recent_on_host(self) -> Sequence[int]:
+        """``recent_slots`` as host integers: ``recent_host``, else read from the array."""
+        return self.recent_host if self.recent_host is not None else self.recent_slots.tolist()
+
+    def recent_range(self) -> tuple[int, int]:
+        """Smallest and largest slot the recent ring holds, ``(1, 0)`` (an empty range) when
+        it holds none: the kernels skip their ring look-up outside it."""
+        held = [slot for slot in self.recent_on_host() if slot >= 0]
+        return (min(held), max(held)) if held else (1, 0)
+
     def full_precision_slots(self) -> tuple[list[int], list[int]]:
         """``full_precision_map`` on the host: the slots of ``[0, length)`` read in full precision, and their rows."""
         sinks = min(self.sinks, self.length)
         slots, rows = list(range(sinks)), list(range(sinks))
-        recent = self.recent_host if self.recent_host is not None else self.recent_slots.tolist()
-        for residue, slot in enumerate(recent):
+        for residue, slot in enumerate(self.recent_on_host()):
             if self.sinks <= slot < self.length and (slot - self.sinks) % self.ring == residue:
                 slots.append(slot)
                 rows.append(self.sinks + residue)

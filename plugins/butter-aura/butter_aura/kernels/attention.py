@@ -257,14 +257,6 @@ def _on_cuda() -> bool:
     return gpu_backend() == "cuda"
 
 
-def recent_range(stored: StoredLayer) -> tuple[int, int]:
-    """Smallest and largest slot held in the recent ring (an empty range when none is)."""
-    if stored.recent_range is not None:
-        return stored.recent_range
-    held = [s for s in stored.recent_slots.tolist() if s >= 0]
-    return (min(held), max(held)) if held else (1, 0)
-
-
 def decode_attention(
     queries: mx.array,
     stored: StoredLayer,
@@ -290,7 +282,7 @@ def decode_attention(
         raise ValueError(f"the attention kernels serve head_dim {SUPPORTED_HEAD_DIMS}; got {dims}")
     if method is None:
         method = "mma" if _on_cuda() and attention_mma.serves(queries, stored) else "simt"
-    lo, hi = recent_range(stored)
+    lo, hi = stored.recent_range()
     params = mx.array([length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
     scale_array = mx.array([scale], dtype=mx.float32)
     if method == "mma":
