@@ -30,6 +30,8 @@ Functions:
     bt_read(p)                            ``*p`` for a device pointer to an input the kernel
                                           never writes, through the read-only data path
                                           (CUDA: ``__ldg``; Metal: a plain load)
+    bt_read_if<RO>(p)                     ``bt_read(p)`` when ``RO``, else a plain ``*p`` (for
+                                          kernels that make the read-only path a tunable)
     bt_load<N>(src, dst)                  N consecutive values from global memory into
                                           a float array (16-byte vector loads on CUDA;
                                           src must then be 16-byte aligned)
@@ -140,6 +142,7 @@ BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return simd_shuffle_xor(v, static_cast<ushort>(mask));
 }
 template <typename T> BT_FUNC T bt_read(const device T* p) { return *p; }
+template <bool RO, typename T> BT_FUNC T bt_read_if(const device T* p) { return *p; }
 
 template <int N, typename T>
 BT_FUNC void bt_load(const BT_GLOBAL T* src, BT_PRIVATE float* dst) {
@@ -178,6 +181,7 @@ BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return __shfl_xor_sync(0xffffffffu, v, mask);
 }
 template <typename T> BT_FUNC T bt_read(const T* p) { return __ldg(p); }
+template <bool RO, typename T> BT_FUNC T bt_read_if(const T* p) { return RO ? __ldg(p) : *p; }
 
 template <int N, typename T>
 BT_FUNC void bt_load(const T* src, float* dst) {

@@ -4,7 +4,7 @@
 
 - ``affine_load_words<WORDS, READ_ONLY>(src, dst)``: WORDS uint32 from global memory, as
   16- or 8-byte vector loads where WORDS allows (``src`` must then be that aligned);
-  through ``bt_read`` (the read-only path) when ``READ_ONLY``.
+  through the read-only path when ``READ_ONLY`` (``bt_read_if``).
 - ``affine_unpack<BITS, N>(words, out)``: the N codes of a run that starts on a word
   boundary, as floats, each times ``2^affine_shift<BITS>(i)`` (see below).
 - ``affine_weight<BITS>(i)``: ``2^-affine_shift<BITS>(i)``, the factor that turns
@@ -66,7 +66,7 @@ BT_FUNC void affine_load_words(const BT_GLOBAL uint32_t* src, BT_PRIVATE uint32_
     const BT_GLOBAL uint4* vectors = reinterpret_cast<const BT_GLOBAL uint4*>(src);
 #pragma unroll
     for (int c = 0; c < WORDS / 4; ++c) {
-      const uint4 v = READ_ONLY ? bt_read(vectors + c) : vectors[c];
+      const uint4 v = bt_read_if<READ_ONLY>(vectors + c);
       dst[4 * c] = v.x;
       dst[4 * c + 1] = v.y;
       dst[4 * c + 2] = v.z;
@@ -76,14 +76,14 @@ BT_FUNC void affine_load_words(const BT_GLOBAL uint32_t* src, BT_PRIVATE uint32_
     const BT_GLOBAL uint2* vectors = reinterpret_cast<const BT_GLOBAL uint2*>(src);
 #pragma unroll
     for (int c = 0; c < WORDS / 2; ++c) {
-      const uint2 v = READ_ONLY ? bt_read(vectors + c) : vectors[c];
+      const uint2 v = bt_read_if<READ_ONLY>(vectors + c);
       dst[2 * c] = v.x;
       dst[2 * c + 1] = v.y;
     }
   } else {
 #pragma unroll
     for (int c = 0; c < WORDS; ++c) {
-      dst[c] = READ_ONLY ? bt_read(src + c) : src[c];
+      dst[c] = bt_read_if<READ_ONLY>(src + c);
     }
   }
 }

@@ -121,8 +121,8 @@ BT_FUNC void affine_mma_fetch_keys(
     affine_load_words<KW, RO>(codes + row * ROW_WORDS, words + k * KW);
 #pragma unroll
     for (int i = 0; i < KG; ++i) {
-      s[k * KG + i] = RO ? bt_read(scales + row * GROUPS + i) : scales[row * GROUPS + i];
-      b[k * KG + i] = RO ? bt_read(biases + row * GROUPS + i) : biases[row * GROUPS + i];
+      s[k * KG + i] = bt_read_if<RO>(scales + row * GROUPS + i);
+      b[k * KG + i] = bt_read_if<RO>(biases + row * GROUPS + i);
     }
   }
 }
@@ -137,8 +137,8 @@ BT_FUNC void affine_mma_fetch_values(
     const int offset = 16 * (k / 4) + (k % 2) + 8 * ((k % 4) / 2);
     const int64_t row = CLAMP ? (base + 2 * q + offset < last ? base + 2 * q + offset : last) : first + offset;
     affine_load_words<VW, RO>(codes + row * ROW_WORDS, words + k * VW);
-    s[k] = RO ? bt_read(scales + row * GROUPS) : scales[row * GROUPS];
-    b[k] = RO ? bt_read(biases + row * GROUPS) : biases[row * GROUPS];
+    s[k] = bt_read_if<RO>(scales + row * GROUPS);
+    b[k] = bt_read_if<RO>(biases + row * GROUPS);
   }
 }
 """,

@@ -185,8 +185,8 @@ _BODY = """
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           aura_load_bytes<KLB, READ_ONLY>(codes + (16 * b + 8 * h) * KWB, kc[b][h]);
-          ks[b][h] = bt_to_float(aura_read<READ_ONLY>(kscales + 16 * b + 8 * h));
-          vs[b][h] = bt_to_float(aura_read<READ_ONLY>(vscales + 16 * b + 8 * h));
+          ks[b][h] = bt_to_float(bt_read_if<READ_ONLY>(kscales + 16 * b + 8 * h));
+          vs[b][h] = bt_to_float(bt_read_if<READ_ONLY>(vscales + 16 * b + 8 * h));
         }
       }
     } else {
@@ -196,8 +196,8 @@ _BODY = """
         for (int h = 0; h < 2; ++h) {
           const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 8 * h + g, last));
           aura_load_bytes<KLB, READ_ONLY>(k_base + key * static_cast<uint32_t>(KWB), kc[b][h]);
-          ks[b][h] = bt_to_float(aura_read<READ_ONLY>(ks_base + key));
-          vs[b][h] = bt_to_float(aura_read<READ_ONLY>(vs_base + key));
+          ks[b][h] = bt_to_float(bt_read_if<READ_ONLY>(ks_base + key));
+          vs[b][h] = bt_to_float(bt_read_if<READ_ONLY>(vs_base + key));
         }
       }
     }
@@ -460,29 +460,24 @@ _BODY = """
 _MMA_HELPERS = r"""
 // ---- AURA tensor-core decode (attention_mma.py) ----
 // N bytes from global memory (N-byte aligned) into 32-bit words (N = 2: one zero-extended word).
-// RO: through the read-only data path (bt_read).
-template <bool RO, typename T>
-BT_FUNC T aura_read(const T* p) {
-  return RO ? bt_read(p) : *p;
-}
 template <int N, bool RO>
 BT_FUNC void aura_load_bytes(const unsigned char* src, uint32_t* dst) {
   if constexpr (N == 32) {
-    const uint4 a = aura_read<RO>(reinterpret_cast<const uint4*>(src));
-    const uint4 b = aura_read<RO>(reinterpret_cast<const uint4*>(src) + 1);
+    const uint4 a = bt_read_if<RO>(reinterpret_cast<const uint4*>(src));
+    const uint4 b = bt_read_if<RO>(reinterpret_cast<const uint4*>(src) + 1);
     dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
     dst[4] = b.x; dst[5] = b.y; dst[6] = b.z; dst[7] = b.w;
   } else if constexpr (N == 16) {
-    const uint4 a = aura_read<RO>(reinterpret_cast<const uint4*>(src));
+    const uint4 a = bt_read_if<RO>(reinterpret_cast<const uint4*>(src));
     dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
   } else if constexpr (N == 8) {
-    const uint2 a = aura_read<RO>(reinterpret_cast<const uint2*>(src));
+    const uint2 a = bt_read_if<RO>(reinterpret_cast<const uint2*>(src));
     dst[0] = a.x; dst[1] = a.y;
   } else if constexpr (N == 4) {
-    dst[0] = aura_read<RO>(reinterpret_cast<const uint32_t*>(src));
+    dst[0] = bt_read_if<RO>(reinterpret_cast<const uint32_t*>(src));
   } else {
     static_assert(N == 2, "2, 4, 8, 16 or 32 bytes");
-    dst[0] = aura_read<RO>(reinterpret_cast<const unsigned short*>(src));
+    dst[0] = bt_read_if<RO>(reinterpret_cast<const unsigned short*>(src));
   }
 }
 
