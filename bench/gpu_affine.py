@@ -166,10 +166,29 @@ def run_checks() -> list[dict]:
     return results
 
 
-def packed_sets(bits: int, group: int, length: int, count: int) -> list[dict[str, mx.array]]:
-    """``count`` independent packed K/V buffers of ``length`` slots (quantized by the kernel)."""
+def raw_bytes(length: int) -> int:
+    """What raw SDPA reads: bf16 K and V."""
+    return 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
+
+
+def packed_bytes(bits: int, group: int, length: int) -> int:
+    """What a fused decode reads: K and V codes, scales and biases."""
+    return 2 * KV_HEADS * length * PackedFormat(bits, group, HEAD_DIM, DTYPE).row_bytes
+
+
+def raw_pairs(length: int) -> list[tuple[mx.array, mx.array]]:
+    """Independent bf16 K/V pairs of ``length`` positions, as many as keep consecutive calls out of L2."""
+    pairs = [tuple(mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
+             for _ in range(copies_for(raw_bytes(length)))]
+    mx.eval(pairs)
+    return pairs
+
+
+def packed_sets(bits: int, group: int, length: int) -> list[dict[str, mx.array]]:
+    """Independent packed K/V buffers of ``length`` slots (quantized by the kernel), as many
+    as keep consecutive calls out of L2."""
     sets = []
-    for _ in range(count):
+    for _ in range(copies_for(packed_bytes(bits, group, length))):
         keys, values = (mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
         sets.append(quantize.quantize_kv(keys, values, bits=bits, group_size=group))
         mx.eval(sets[-1])
@@ -181,7 +200,7 @@ def time_attention(length: int) -> list[dict]:
     q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
     scale = HEAD_DIM**-0.5
     sdpa = mx.fast.scaled_dot_product_attention
-    raw_bytes = 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
+    raw = raw_bytes(length)
     rows = []
 
     def add(path, us, moved, build_us=float("nan")):
@@ -190,20 +209,17 @@ def time_attention(length: int) -> list[dict]:
         print(f"  {length:>7} {path:28s} {us:9.1f} µs  {moved / 1e6:8.1f} MB  {moved / us / 1e6:5.2f} TB/s  "
               f"(graph building {build_us:5.1f} µs per call)", flush=True)
 
-    pairs = [tuple(mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
-             for _ in range(copies_for(raw_bytes))]
-    mx.eval(pairs)
+    pairs = raw_pairs(length)
     us, build_us = amortised(lambda: [sdpa(q, *pairs[i % len(pairs)], scale=scale) for i in range(CALLS)])
-    add("raw bf16, MLX SDPA", us, raw_bytes, build_us)
+    add("raw bf16, MLX SDPA", us, raw, build_us)
     us, build_us = amortised(chained(q, lambda x, kv: sdpa(x, *kv, scale=scale), pairs))
-    add("raw bf16, MLX SDPA chained", us, raw_bytes, build_us)
+    add("raw bf16, MLX SDPA chained", us, raw, build_us)
     del pairs
     gc.collect()
 
     for name, (bits, group) in SCHEMES.items():
-        fmt = PackedFormat(bits, group, HEAD_DIM, DTYPE)
-        packed_bytes = 2 * KV_HEADS * length * fmt.row_bytes
-        sets = packed_sets(bits, group, length, copies_for(packed_bytes))
+        packed = packed_bytes(bits, group, length)
+        sets = packed_sets(bits, group, length)
 
         def fused(b):
             return decode.decode_attention(q, *(b[n] for n in BUFFERS), length=length, scale=scale)
@@ -224,13 +240,13 @@ def time_attention(length: int) -> list[dict]:
             """A ``build`` for ``amortised``: CALLS calls of ``fn``, each on the next buffer set."""
             return lambda: [fn(sets[i % len(sets)]) for i in range(CALLS)]
 
-        paths = [(f"{name} fused kernel", independent(fused), packed_bytes)]
+        paths = [(f"{name} fused kernel", independent(fused), packed)]
         if tensor_core(bits, group):  # chained: each call's query is the previous call's output
-            paths.append((f"{name} tensor-core kernel", independent(tensor_core_fused), packed_bytes))
+            paths.append((f"{name} tensor-core kernel", independent(tensor_core_fused), packed))
             paths.append((f"{name} tensor-core chained", chained(q, lambda x, b: tensor_core_fused(b, x), sets),
-                          packed_bytes))
-        paths.append((f"{name} dequantize + SDPA", independent(dequant_sdpa), packed_bytes + 2 * raw_bytes))
-        paths.append((f"{name} mx.quantized_matmul", independent(matmul), packed_bytes))
+                          packed))
+        paths.append((f"{name} dequantize + SDPA", independent(dequant_sdpa), packed + 2 * raw))
+        paths.append((f"{name} mx.quantized_matmul", independent(matmul), packed))
         for path, build, moved in paths:
             try:
                 us, build_us = amortised(build)
@@ -251,16 +267,12 @@ def time_side_by_side(length: int = 131072) -> dict[str, dict]:
     kernel time divided by raw's in that round (``gpu_timing.side_by_side``)."""
     q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
     scale = HEAD_DIM**-0.5
-    raw_bytes = 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
-    pairs = [tuple(mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
-             for _ in range(copies_for(raw_bytes))]
-    mx.eval(pairs)
+    pairs = raw_pairs(length)
     builds = {"raw bf16, MLX SDPA": lambda: [mx.fast.scaled_dot_product_attention(
         q, *pairs[i % len(pairs)], scale=scale) for i in range(CALLS)]}
     for name in ("affine4", "affine8"):
         bits, group = SCHEMES[name]
-        sets = packed_sets(bits, group, length, copies_for(2 * KV_HEADS * length * PackedFormat(
-            bits, group, HEAD_DIM, DTYPE).row_bytes))
+        sets = packed_sets(bits, group, length)
         builds[f"{name} tensor-core kernel"] = lambda sets=sets: [decode_mma.decode_attention(
             q, *(sets[i % len(sets)][n] for n in BUFFERS), length=length, scale=scale) for i in range(CALLS)]
     rows = side_by_side(builds, rounds=SIDE_BY_SIDE_ROUNDS)
@@ -341,8 +353,7 @@ def sweep(length: int = 131072) -> list[dict]:
         kernel = module.__name__.rsplit(".", 1)[-1]
         bits, group = SCHEMES[scheme]
         q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
-        fmt = PackedFormat(bits, group, HEAD_DIM, DTYPE)
-        sets = packed_sets(bits, group, length, copies_for(2 * KV_HEADS * length * fmt.row_bytes))
+        sets = packed_sets(bits, group, length)
 
         def build(overrides):
             def calls():

@@ -181,10 +181,16 @@ def aura_inputs(name: str, length: int, seed: int) -> dict:
     return inputs
 
 
-def time_aura(name: str, length: int, method: str = "mma", **tunables) -> dict:
+def aura_copies(name: str, length: int) -> list[dict]:
+    """``aura_inputs`` with seeds 0, 1, ...: as many copies as keep consecutive calls out of L2."""
     first = aura_inputs(name, length, 0)
-    nbytes = stored_bytes(first["stored"])
-    copies = [first] + [aura_inputs(name, length, i) for i in range(1, copies_for(nbytes, MAX_COPIES))]
+    return [first] + [aura_inputs(name, length, i)
+                      for i in range(1, copies_for(stored_bytes(first["stored"]), MAX_COPIES))]
+
+
+def time_aura(name: str, length: int, method: str = "mma", **tunables) -> dict:
+    copies = aura_copies(name, length)
+    nbytes = stored_bytes(copies[0]["stored"])
     us = amortised_us(lambda i: attention.decode_attention(**copies[i % len(copies)], method=method, **tunables))
     return {"us": us, "bytes": nbytes, "tbps": nbytes / us / 1e6, "copies": len(copies)}
 
@@ -198,9 +204,19 @@ def raw_inputs(length: int, seed: int) -> tuple[mx.array, mx.array, mx.array]:
     return q, k, v
 
 
+def raw_copies(length: int) -> list[tuple[mx.array, mx.array, mx.array]]:
+    """``raw_inputs`` with seeds 0, 1, ...: as many copies as keep consecutive calls out of L2."""
+    return [raw_inputs(length, i) for i in range(copies_for(raw_bytes(length), MAX_COPIES))]
+
+
+def raw_bytes(length: int) -> int:
+    """What raw SDPA reads: bf16 K and V."""
+    return 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
+
+
 def time_raw_sdpa(length: int) -> dict:
-    nbytes = 2 * KV_HEADS * length * HEAD_DIM * DTYPE.size
-    copies = [raw_inputs(length, i) for i in range(copies_for(nbytes, MAX_COPIES))]
+    nbytes = raw_bytes(length)
+    copies = raw_copies(length)
     scale = HEAD_DIM**-0.5
     us = amortised_us(lambda i: mx.fast.scaled_dot_product_attention(*copies[i % len(copies)], scale=scale))
     return {"us": us, "bytes": nbytes, "tbps": nbytes / us / 1e6, "copies": len(copies)}
@@ -228,14 +244,12 @@ def run_side_by_side(length: int = 131072) -> dict[str, dict]:
     """The goal's ratio as it must be quoted: raw SDPA, aura4v2 and aura4v4 (tensor-core
     partials) timed in turn for ``SIDE_BY_SIDE_ROUNDS`` rounds, each round's time divided
     by raw's in that round (``gpu_timing.side_by_side``)."""
-    raw = [raw_inputs(length, i) for i in range(copies_for(2 * KV_HEADS * length * HEAD_DIM * DTYPE.size, MAX_COPIES))]
+    raw = raw_copies(length)
     scale = HEAD_DIM**-0.5
     builds = {"raw sdpa": lambda: [mx.fast.scaled_dot_product_attention(*raw[i % len(raw)], scale=scale)
                                    for i in range(CALLS)]}
     for name in ("aura4v2", "aura4v4"):
-        first = aura_inputs(name, length, 0)
-        copies = [first] + [aura_inputs(name, length, i)
-                            for i in range(1, copies_for(stored_bytes(first["stored"]), MAX_COPIES))]
+        copies = aura_copies(name, length)
         builds[f"{name} mma"] = lambda copies=copies: [attention.decode_attention(**copies[i % len(copies)], method="mma")
                                                        for i in range(CALLS)]
     rows = side_by_side(builds, rounds=SIDE_BY_SIDE_ROUNDS)
@@ -323,9 +337,7 @@ def run_min_keys() -> list[dict]:
     side with the default (``gpu_timing.side_by_side``, 3 rounds)."""
     rows = []
     for length in CONTEXTS:
-        first = aura_inputs("aura4v2", length, 0)
-        copies = [first] + [aura_inputs("aura4v2", length, i)
-                            for i in range(1, copies_for(stored_bytes(first["stored"]), MAX_COPIES))]
+        copies = aura_copies("aura4v2", length)
         builds = {
             keys: (lambda keys=keys: [attention.decode_attention(**copies[i % len(copies)], method="mma", min_keys=keys)
                                       for i in range(CALLS)])
