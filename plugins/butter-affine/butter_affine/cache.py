@@ -9,13 +9,14 @@ from butter_core.cache import Mask
 from butter_core.slots import BufferedSlotCache
 
 from butter_affine.ops import AffineOps, select_ops
-from butter_affine.packing import PackedFormat
+from butter_affine.packing import STACKS, PackedFormat
 from butter_affine.working_set import PrefillPipeline
 
 
 class AffineCache(BufferedSlotCache):
     """Six buffers ``[batch, n_kv_heads, allocated, width]`` (``packing.BUFFERS``): uint32
-    codes and model-dtype scales and biases, for keys and for values.
+    codes and model-dtype scales and biases, for keys and for values, kept in two arrays
+    (``packing.STACKS``: the codes, the scales and biases) so an append writes two.
 
     A position costs ``bits + 2 * 16 / group_size`` bits per element with 16-bit
     scales: 8.5 for affine8 (g64), 7 for affine6 (g32), 5 for affine4 (g32); against 16
@@ -30,7 +31,7 @@ class AffineCache(BufferedSlotCache):
 
     def __init__(self, spec: LayerSpec, kind: Affine, pipeline: PrefillPipeline | None = None):
         self.format = PackedFormat(kind.bits, kind.group_size, spec.head_dim, spec.dtype)
-        super().__init__(spec, self.format.buffer_layout())
+        super().__init__(spec, self.format.buffer_layout(), stacks=STACKS)
         self.ops: AffineOps = select_ops(self.format)
         self.pipeline = pipeline
 

@@ -54,7 +54,7 @@ from butter_core.kernels import default_device_is_gpu, gpu_backend
 
 from butter_affine import codec
 from butter_affine.kernels import decode, decode_mma, dequantize, quantize
-from butter_affine.packing import BUFFERS, PackedFormat
+from butter_affine.packing import BUFFERS, PackedFormat, stack
 
 Buffers = dict[str, mx.array]
 Quantize = Callable[[mx.array, mx.array], Buffers]
@@ -64,7 +64,8 @@ Decode = Callable[[mx.array, Buffers, int, float], mx.array]
 
 @attrs.frozen
 class AffineOps:
-    """The functions one cache calls: ``quantize(keys, values)`` -> rows by buffer name;
+    """The functions one cache calls: ``quantize(keys, values)`` -> rows by stack
+    (``packing.STACKS``);
     ``dequantize(buffers, length)`` -> live keys and values; ``decode(queries, buffers,
     length, scale)`` -> single-token attention, or None to dequantize and use SDPA.
     ``buffers`` are the cache's whole arrays; no function needs a slice of them."""
@@ -116,7 +117,7 @@ def _cpu_ops(fmt: PackedFormat) -> AffineOps:
             packed = mx.quantize(keys, group_size=group_size, bits=bits) + mx.quantize(
                 values, group_size=group_size, bits=bits
             )
-            return dict(zip(BUFFERS, packed))
+            return stack(dict(zip(BUFFERS, packed)))
     else:
         quantize_rows = mx.compile(partial(quantize.quantize_kv_reference, bits=bits, group_size=group_size))
 

@@ -10,7 +10,9 @@ A row is one head's ``head_dim`` values at one position. It is stored as
 * ``scales`` and ``biases``: one value per group of ``group_size`` consecutive
   elements, in the model's dtype; element ``x`` decodes as ``code * scale + bias``.
 
-``PackedFormat`` gives the sizes; ``BUFFERS`` names the six per-layer arrays.
+``PackedFormat`` gives the sizes; ``BUFFERS`` names the six per-layer arrays, and
+``STACKS`` how a cache keeps them: the two code buffers in one array, the four scale
+and bias buffers in another, so an append writes two arrays, not six.
 """
 
 from __future__ import annotations
@@ -23,7 +25,25 @@ from butter_core.errors import ConfigError
 BUFFERS = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")
 """The six arrays an affine layer cache holds, each ``[batch, n_kv_heads, slots, width]``."""
 
+STACKS = {
+    "codes": ("key_codes", "value_codes"),
+    "scales_biases": ("key_scales", "key_biases", "value_scales", "value_biases"),
+}
+"""Stack name -> its buffers (``butter_core.slots.Stacks``): what ``quantize`` hands the cache,
+each ``[n, batch, n_kv_heads, tokens, width]``."""
+
 CODE_BITS = (4, 6, 8)
+
+
+def stack(rows: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Rows by buffer name -> rows by stack (``STACKS``)."""
+    return {name: mx.stack([rows[member] for member in members]) for name, members in STACKS.items()}
+
+
+def unstack(rows: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Rows by stack -> views by buffer name (``BUFFERS``; ``rows[name][i]`` would gather a copy)."""
+    return {member: rows[name][i : i + 1].squeeze(0) for name, members in STACKS.items()
+            for i, member in enumerate(members)}
 
 
 @attrs.frozen

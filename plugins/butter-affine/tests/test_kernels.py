@@ -13,7 +13,7 @@ from butter_affine import codec
 from butter_affine import ops
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
 from butter_affine.ops import float32_decode
-from butter_affine.packing import BUFFERS, PackedFormat
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat, unstack
 
 CASES = [
     pytest.param(check, case, id=f"{check.name}-{i}")
@@ -84,9 +84,12 @@ def test_dequantize_reference_reads_only_the_live_slots():
 
 def test_quantize_reference_is_codec_quantize():
     keys, values = (mx.random.normal((1, 2, 3, 64), key=mx.random.key(i)) for i in range(2))
-    rows = quantize.quantize_kv_reference(keys, values, bits=6, group_size=32)
-    assert list(rows) == list(BUFFERS)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(list(rows.values())[:3], codec.quantize(keys, 6, 32)))
+    stacked = quantize.quantize_kv_reference(keys, values, bits=6, group_size=32)
+    assert list(stacked) == list(STACKS)
+    rows = unstack(stacked)
+    assert sorted(rows) == sorted(BUFFERS)
+    expected = dict(zip(BUFFERS, codec.quantize(keys, 6, 32) + codec.quantize(values, 6, 32)))
+    assert all(mx.array_equal(rows[name], expected[name]).item() for name in BUFFERS)
 
 
 @pytest.mark.parametrize(

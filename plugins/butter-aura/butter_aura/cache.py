@@ -11,7 +11,7 @@ from butter_core.slots import BufferedSlotCache
 
 from butter_aura import reference
 from butter_aura.codec import SCALE_DTYPE
-from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype
+from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype, stacks_for
 from butter_aura.rotation import Rotation, layer_seed
 from butter_aura.stored import StoredLayer
 
@@ -26,6 +26,8 @@ class AuraCache(BufferedSlotCache):
     words) and ``key_scales``/``value_scales`` (float16). Beside the slots, the sink
     slots and the most recently written slots keep 16-bit copies of their original
     vectors (``FullPrecisionBudget``), which attention reads instead of their codes.
+    The two scale buffers share one array, as do the two code buffers where keys and
+    values have equal bits (``layout.stacks_for``), so an append writes fewer arrays.
 
     Attention:
 
@@ -55,7 +57,7 @@ class AuraCache(BufferedSlotCache):
             "value_codes": (self.value_codec.words, mx.uint32),
             "value_scales": (self.value_codec.groups, SCALE_DTYPE),
         }
-        super().__init__(spec, layout)
+        super().__init__(spec, layout, stacks=stacks_for(self.key_codec, self.value_codec))
         self.budget = FullPrecisionBudget.for_capacity(self.capacity)
         self.fp_dtype = full_precision_dtype(spec.dtype)
         self.rotation = Rotation(layer_seed(seed, spec.layer_index), spec.n_kv_heads, spec.head_dim)
@@ -81,10 +83,7 @@ class AuraCache(BufferedSlotCache):
         return arrays
 
     def store(self, start, keys, values):
-        key_codes, key_scales, value_codes, value_scales = self.ops.encode(
-            keys, values, self.rotation, self.key_codec, self.value_codec
-        )
-        rows = {"key_codes": key_codes, "key_scales": key_scales, "value_codes": value_codes, "value_scales": value_scales}
+        rows = self.ops.encode_rows(keys, values, self.rotation, self.key_codec, self.value_codec)
         self.slots.write(start, rows, live=self.length)
         self._keep_full_precision(start, keys, values)
         self._pending = (start, keys, values)
@@ -107,7 +106,8 @@ class AuraCache(BufferedSlotCache):
             rows = slice(sinks + residue, sinks + residue + n)
             fp["fp_keys"][:, :, rows] = keys[:, :, first - start : stop - start].astype(self.fp_dtype)
             fp["fp_values"][:, :, rows] = values[:, :, first - start : stop - start].astype(self.fp_dtype)
-            fp["recent_slots"][residue : residue + n] = mx.arange(first, stop, dtype=mx.int32)
+            # From the host: an mx.arange would be one more kernel launch per token.
+            fp["recent_slots"][residue : residue + n] = mx.array(list(range(first, stop)), dtype=mx.int32)
             self._recent_host[residue : residue + n] = range(first, stop)
             first = stop
 

@@ -32,6 +32,7 @@ import mlx.core as mx
 from butter_aura import packing
 from butter_aura.codebooks import Codebook
 from butter_aura.codec import Codec, nearest_level
+from butter_aura.layout import by_name
 from butter_aura.rotation import Rotation
 from butter_aura.stored import StoredLayer
 
@@ -63,6 +64,13 @@ def encode(
             keys, values, signs, mixing
         )
     return _rotate_and_code(keys, values, signs, mixing, key_codec, value_codec)
+
+
+def encode_rows(
+    keys: mx.array, values: mx.array, rotation: Rotation, key_codec: Codec, value_codec: Codec
+) -> dict[str, mx.array]:
+    """``encode``'s rows by slot-buffer name, as ``AuraCache`` writes them."""
+    return by_name(encode(keys, values, rotation, key_codec, value_codec))
 
 
 def _rotate_and_code(

@@ -31,6 +31,25 @@ RECENT = 32
 DEFAULT_SEED = 0x41555241
 """Base seed of the rotations (``rotation.layer_seed`` mixes in the layer index)."""
 
+BUFFERS = ("key_codes", "key_scales", "value_codes", "value_scales")
+"""The slot buffers of a layer, in the order ``encode`` returns them."""
+
+
+def stacks_for(key_codec: Codec, value_codec: Codec) -> dict[str, tuple[str, ...]]:
+    """Which slot buffers a cache keeps in one array (``butter_core.slots.Stacks``): the two
+    scale buffers always (one width: the codecs share their group), the two code buffers
+    where keys and values have as many words (equal bits). An append then writes two or
+    three arrays instead of four."""
+    stacks = {"scales": ("key_scales", "value_scales")}
+    if key_codec.words == value_codec.words:
+        stacks["codes"] = ("key_codes", "value_codes")
+    return stacks
+
+
+def by_name(coded: tuple[mx.array, mx.array, mx.array, mx.array]) -> dict[str, mx.array]:
+    """``encode``'s four arrays by slot-buffer name (``BUFFERS``)."""
+    return dict(zip(BUFFERS, coded))
+
 
 def codecs(kind: Aura, head_dim: int) -> tuple[Codec, Codec]:
     """The key and value codecs of ``kind`` for vectors of ``head_dim``."""

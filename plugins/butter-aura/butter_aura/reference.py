@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from butter_aura.codec import Codec
+from butter_aura.layout import by_name
 from butter_aura.rotation import Rotation
 from butter_aura.stored import StoredLayer
 
@@ -25,6 +26,13 @@ def encode(
     key_codes, key_scales = key_codec.encode(rotation.apply(keys))
     value_codes, value_scales = value_codec.encode(rotation.apply(values))
     return key_codes, key_scales, value_codes, value_scales
+
+
+def encode_rows(
+    keys: mx.array, values: mx.array, rotation: Rotation, key_codec: Codec, value_codec: Codec
+) -> dict[str, mx.array]:
+    """``encode``'s rows by slot-buffer name, as ``AuraCache`` writes them."""
+    return by_name(encode(keys, values, rotation, key_codec, value_codec))
 
 
 def decode_attention(queries: mx.array, stored: StoredLayer, scale: float) -> mx.array:

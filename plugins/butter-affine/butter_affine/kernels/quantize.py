@@ -3,8 +3,9 @@
 One thread per (row, group), keys then values. It follows ``codec.quantize`` step for
 step in float32 (MLX's choice of scale and bias, rounding to the storage dtype, codes
 against the rounded pair, round half to even, MLX's packing), so it matches the
-reference bit for bit. The six outputs are fresh arrays of the new rows only; the
-cache writes them into its buffers by slice assignment, which updates in place.
+reference bit for bit. Its two outputs are the new rows only, stacked as the cache keeps
+them (``packing.STACKS``: codes ``[2, ...]``, scales and biases ``[4, ...]``); the cache
+writes each into its stack by one slice assignment, which updates in place.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from butter_core.kernels import Kernel
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS
-from butter_affine.packing import BUFFERS, PackedFormat
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat, stack
 
 _THREADS = 64
 
 _QUANTIZE = Kernel(
     name="butter_affine_quantize_kv",
     input_names=("keys", "values"),
-    output_names=BUFFERS,
+    output_names=tuple(STACKS),
     helpers=CODE_HELPERS,
     body="""
   constexpr int WORDS_PER_GROUP = GROUP * BITS / 32;
@@ -55,15 +56,16 @@ _QUANTIZE = Kernel(
       scale = edge / q0;
       bias = edge;
     }
+    // scales_biases: [key scales, key biases, value scales, value biases], per_side each.
     const S scale_stored = bt_from_float<S>(scale);
     const S bias_stored = bt_from_float<S>(bias);
-    (is_value ? value_scales : key_scales)[g] = scale_stored;
-    (is_value ? value_biases : key_biases)[g] = bias_stored;
+    scales_biases[(is_value ? 2 : 0) * per_side + g] = scale_stored;
+    scales_biases[(is_value ? 3 : 1) * per_side + g] = bias_stored;
 
     // Codes against the stored (rounded) pair, packed as a little-endian bit stream.
     const float s = bt_to_float(scale_stored);
     const float b = bt_to_float(bias_stored);
-    const auto out = (is_value ? value_codes : key_codes) + g * WORDS_PER_GROUP;
+    const auto out = codes + (is_value ? per_side : 0) * WORDS_PER_GROUP + g * WORDS_PER_GROUP;
     uint32_t word = 0u;
     int filled = 0;
     int w = 0;
@@ -86,7 +88,7 @@ _QUANTIZE = Kernel(
 
 def quantize_kv(keys: mx.array, values: mx.array, *, bits: int, group_size: int) -> dict[str, mx.array]:
     """Codes/scales/biases of ``keys`` and ``values`` ``[B, H, T, D]`` (scales in their dtype),
-    named as ``packing.BUFFERS``."""
+    stacked as ``packing.STACKS`` (``packing.unstack`` names them as ``packing.BUFFERS``)."""
     _check_rows(keys, values)
     fmt = PackedFormat(bits, group_size, keys.shape[-1], keys.dtype)
     lead = keys.shape[:-1]
@@ -97,17 +99,17 @@ def quantize_kv(keys: mx.array, values: mx.array, *, bits: int, group_size: int)
                   ("GROUP", group_size)],
         grid=(groups, 1, 1),
         threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(*lead, fmt.words), (*lead, fmt.groups), (*lead, fmt.groups)] * 2,
-        output_dtypes=[mx.uint32, fmt.dtype, fmt.dtype] * 2,
+        output_shapes=[(2, *lead, fmt.words), (4, *lead, fmt.groups)],
+        output_dtypes=[mx.uint32, fmt.dtype],
     )
-    return dict(zip(BUFFERS, outputs))
+    return dict(zip(STACKS, outputs))
 
 
 def quantize_kv_reference(keys: mx.array, values: mx.array, *, bits: int, group_size: int) -> dict[str, mx.array]:
     """``quantize_kv`` through ``codec.quantize`` (pure mx)."""
     _check_rows(keys, values)
     packed = codec.quantize(keys, bits, group_size) + codec.quantize(values, bits, group_size)
-    return dict(zip(BUFFERS, packed))
+    return stack(dict(zip(BUFFERS, packed)))
 
 
 def _check_rows(keys: mx.array, values: mx.array) -> None:

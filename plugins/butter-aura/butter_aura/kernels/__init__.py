@@ -26,7 +26,8 @@ from butter_aura.kernels import attention, dequantize, encode
 from butter_aura.kernels.checks import KERNEL_CHECKS
 
 GPU_OPS = types.SimpleNamespace(
-    encode=encode.encode, decode_attention=attention.decode_attention, dequantize=dequantize.dequantize
+    encode=encode.encode, encode_rows=encode.encode_rows, decode_attention=attention.decode_attention,
+    dequantize=dequantize.dequantize,
 )
 """The kernel implementations, shaped like the ``reference`` module."""
 

@@ -7,6 +7,11 @@ coordinates) computes its RMS, the nearest codebook level of every coordinate (a
 search over the decision boundaries), and the least-squares scale; the codes are
 packed into words by the first threads. Keys and values go through the same block one
 after the other.
+
+Its outputs are stacked as the cache keeps its buffers (``layout.stacks_for``): the key
+and value scales in one array ``[2, ...]``, and the codes in one ``[2, ...]`` where keys
+and values have as many words, else in two. So an append writes two or three arrays,
+not four (one kernel object per case: MLX fixes a kernel's outputs).
 """
 
 from __future__ import annotations
@@ -17,27 +22,28 @@ from butter_core.kernels import Kernel
 
 from butter_aura.codec import SCALE_DTYPE, Codec
 from butter_aura.kernels.source import HELPERS
+from butter_aura.layout import BUFFERS, stacks_for
 from butter_aura.rotation import Rotation
 
-_ENCODE = Kernel(
-    name="butter_aura_encode",
-    input_names=("keys", "values", "signs", "key_levels", "key_bounds", "value_levels", "value_bounds"),
-    output_names=("key_codes", "key_scales", "value_codes", "value_scales"),
-    helpers=HELPERS,
-    body="""
+_BODY = """
   // Template: T (input dtype), S (scale dtype), D, KB/VB (bits), KG/VG (scale groups).
   constexpr int KW = (D * KB + 31) / 32;
   constexpr int VW = (D * VB + 31) / 32;
   constexpr int WARPS = D / BT_WARP_SIZE;
   const int heads = keys_shape[1];
   const int tokens = keys_shape[2];
+  const int64_t rows = static_cast<int64_t>(keys_shape[0]) * heads * tokens;
+  // scales: [key scales, value scales], rows * (D / group) each.
+  auto key_scales = scales;
+  auto value_scales = scales + rows * (D / KG);
+  BUTTER_AURA_CODE_OUTPUTS
   const int64_t row = block_idx.x;
   const int head = static_cast<int>((row / tokens) % heads);
   const int d = thread_idx.x;
   const float inv_sqrt_d = 1.0f / bt_sqrt(static_cast<float>(D));
 
   BT_SHARED float buf[D];
-  BT_SHARED unsigned int codes[D];
+  BT_SHARED unsigned int indices[D];  // each coordinate's level
   BT_SHARED float scratch[WARPS];
   // Both codebooks in one array each (keys first), so a pass picks its table by offset.
   BT_SHARED float levels[(1 << KB) + (1 << VB)];
@@ -59,7 +65,7 @@ _ENCODE = Kernel(
     const int n_words = pass == 0 ? KW : VW;
     const BT_GLOBAL T* src = pass == 0 ? keys : values;
 
-    BT_BARRIER;  // the previous pass has finished with buf and codes
+    BT_BARRIER;  // the previous pass has finished with buf and indices
     buf[d] = bt_to_float(src[row * D + d]) * sign;
     BT_BARRIER;
     aura_fwht_shared<1>(buf, D, D, D, d);
@@ -77,7 +83,7 @@ _ENCODE = Kernel(
     const float norm = aura_group_sum(chosen * chosen, group, scratch, lane_id, warp_id);
     float scale = dot / (norm > 1e-30f ? norm : 1e-30f);
     scale = scale > 65504.0f ? 65504.0f : (scale < -65504.0f ? -65504.0f : scale);
-    codes[d] = static_cast<unsigned int>(index);
+    indices[d] = static_cast<unsigned int>(index);
     BT_BARRIER;
 
     if (d % group == 0) {
@@ -95,7 +101,7 @@ _ENCODE = Kernel(
       const int last = (32 * d + 31) / bits;
       for (int j = first; j <= last && j < D; ++j) {
         const int offset = j * bits - 32 * d;
-        word |= offset >= 0 ? codes[j] << offset : codes[j] >> (-offset);
+        word |= offset >= 0 ? indices[j] << offset : indices[j] >> (-offset);
       }
       if (pass == 0) {
         key_codes[row * KW + d] = word;
@@ -104,8 +110,27 @@ _ENCODE = Kernel(
       }
     }
   }
-""",
-)
+"""
+
+
+def _encode_kernel(stacked_codes: bool) -> Kernel:
+    """The kernel whose codes are one stacked output ``codes`` (keys then values) or two."""
+    if stacked_codes:
+        outputs = ("codes", "scales")
+        code_outputs = "auto key_codes = codes;\n  auto value_codes = codes + rows * KW;"
+    else:
+        outputs = ("key_codes", "value_codes", "scales")
+        code_outputs = ""
+    return Kernel(
+        name="butter_aura_encode_stacked" if stacked_codes else "butter_aura_encode",
+        input_names=("keys", "values", "signs", "key_levels", "key_bounds", "value_levels", "value_bounds"),
+        output_names=outputs,
+        helpers=HELPERS,
+        body=_BODY.replace("BUTTER_AURA_CODE_OUTPUTS", code_outputs),
+    )
+
+
+_ENCODE = {stacked: _encode_kernel(stacked) for stacked in (False, True)}
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 """Head sizes the kernels serve (power-of-two; others use the pure-mx path)."""
@@ -113,13 +138,29 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 
 def available() -> bool:
     """Whether the kernels can run here (a Metal or CUDA build of MLX)."""
-    return _ENCODE.available()
+    return _ENCODE[False].available()
 
 
 def encode(
     keys: mx.array, values: mx.array, rotation: Rotation, key_codec: Codec, value_codec: Codec
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """``reference.encode`` on the GPU: key codes, key scales, value codes, value scales."""
+    rows = encode_rows(keys, values, rotation, key_codec, value_codec)
+    stacks = stacks_for(key_codec, value_codec)
+    named = {}
+    for name, array in rows.items():
+        members = stacks.get(name)
+        if members is None:
+            named[name] = array
+        else:
+            named.update((member, array[i : i + 1].squeeze(0)) for i, member in enumerate(members))
+    return tuple(named[name] for name in BUFFERS)
+
+
+def encode_rows(
+    keys: mx.array, values: mx.array, rotation: Rotation, key_codec: Codec, value_codec: Codec
+) -> dict[str, mx.array]:
+    """``encode``'s rows as ``AuraCache`` writes them: by stack (``layout.stacks_for``) or buffer name."""
     if keys.shape != values.shape or keys.ndim != 4:
         raise ValueError(f"keys and values must be equal [B, H, tokens, D] arrays; got {keys.shape}, {values.shape}")
     batch, heads, tokens, dims = keys.shape
@@ -128,7 +169,12 @@ def encode(
     rows = batch * heads * tokens
     lead = (batch, heads, tokens)
     values = values.astype(keys.dtype)
-    return _ENCODE(
+    stacked = "codes" in stacks_for(key_codec, value_codec)
+    if stacked:
+        code_shapes, names = [(2, *lead, key_codec.words)], ("codes", "scales")
+    else:
+        code_shapes, names = [(*lead, key_codec.words), (*lead, value_codec.words)], ("key_codes", "value_codes", "scales")
+    outputs = _ENCODE[stacked](
         inputs=[
             keys,
             values,
@@ -144,6 +190,7 @@ def encode(
         ],
         grid=(rows * dims, 1, 1),
         threadgroup=(dims, 1, 1),
-        output_shapes=[(*lead, key_codec.words), (*lead, key_codec.groups), (*lead, value_codec.words), (*lead, value_codec.groups)],
-        output_dtypes=[mx.uint32, SCALE_DTYPE, mx.uint32, SCALE_DTYPE],
+        output_shapes=[*code_shapes, (2, *lead, key_codec.groups)],
+        output_dtypes=[mx.uint32] * len(code_shapes) + [SCALE_DTYPE],
     )
+    return dict(zip(names, outputs))

@@ -1,0 +1,91 @@
+"""SlotBuffers: stacked buffers hold what separate ones would, written per stack or per buffer."""
+
+import gc
+
+import mlx.core as mx
+import pytest
+
+from butter_core import ConfigError, LayerSpec
+from butter_core.slots import SlotBuffers
+
+SPEC = LayerSpec(n_kv_heads=2, head_dim=8, max_positions=600)
+LAYOUT = {"a": (4, mx.uint32), "b": (4, mx.uint32), "c": (2, mx.float16), "d": (2, mx.float16), "e": (3, mx.float16)}
+STACKS = {"ab": ("a", "b"), "cd": ("c", "d")}
+
+
+def rows(tokens: int, seed: int) -> dict[str, mx.array]:
+    return {name: (mx.random.uniform(shape=(1, 2, tokens, width), key=mx.random.key(10 * seed + i)) * 100).astype(dtype)
+            for i, (name, (width, dtype)) in enumerate(LAYOUT.items())}
+
+
+def stacked(named: dict[str, mx.array]) -> dict[str, mx.array]:
+    out = {stack: mx.stack([named[m] for m in members]) for stack, members in STACKS.items()}
+    return {**out, "e": named["e"]}
+
+
+def assert_same(x: SlotBuffers, y: SlotBuffers, length: int) -> None:
+    for view in ("arrays", "read"):
+        ours = x.arrays if view == "arrays" else x.read(length)
+        theirs = y.arrays if view == "arrays" else y.read(length)
+        assert sorted(ours) == sorted(LAYOUT)
+        for name in LAYOUT:
+            assert ours[name].shape == theirs[name].shape, (view, name)
+            assert mx.array_equal(ours[name], theirs[name]).item(), (view, name)
+
+
+@pytest.mark.parametrize("per_stack", [True, False], ids=["rows-per-stack", "rows-per-buffer"])
+def test_stacks_hold_what_separate_buffers_hold(per_stack):
+    """Writes that grow the buffers (past one 256-slot step) and overwrite live slots read back
+    the same, buffer by buffer, as an unstacked layout's."""
+    plain = SlotBuffers(SPEC, SPEC.max_positions, LAYOUT)
+    stack = SlotBuffers(SPEC, SPEC.max_positions, LAYOUT, stacks=STACKS)
+    length = 0
+    for seed, (start, tokens) in enumerate([(0, 200), (200, 100), (300, 1), (150, 20), (301, 5)]):
+        new = rows(tokens, seed)
+        plain.write(start, new, live=length)
+        stack.write(start, stacked(new) if per_stack else new, live=length)
+        length = max(length, start + tokens)
+        mx.eval(plain.storage(), stack.storage())
+        assert_same(stack, plain, length)
+    assert stack.allocated == plain.allocated == 512
+    assert len(stack.storage()) == 3 and len(plain.storage()) == 5
+    assert sum(a.nbytes for a in stack.storage()) == sum(a.nbytes for a in plain.storage())
+
+
+def test_stacked_buffers_are_views():
+    """Taking a stacked buffer costs no copy of its stack (``stack[i]`` would gather one)."""
+    spec = LayerSpec(n_kv_heads=8, head_dim=128, max_positions=1 << 16)
+    layout = {"a": (32, mx.uint32), "b": (32, mx.uint32)}
+    buffers = SlotBuffers(spec, spec.max_positions, layout, stacks={"ab": ("a", "b")})
+    buffers.write(0, {"ab": mx.ones((2, 1, 8, 1 << 16, 32), mx.uint32)}, live=0)
+    mx.eval(buffers.storage())
+    gc.collect()
+    stack_bytes = buffers.storage()[0].nbytes
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    views = [*buffers.arrays.values(), *buffers.read(1000).values()]
+    mx.eval(views)
+    assert mx.get_peak_memory() - before < stack_bytes // 100
+
+
+@pytest.mark.parametrize(
+    ("stacks", "message"),
+    [
+        ({"ab": ("a", "c")}, "different widths or dtypes"),
+        ({"ab": ("a", "z")}, "must name buffers"),
+        ({"a": ("a", "b")}, "not be one itself"),
+        ({"ab": ("a", "b"), "ba": ("b",)}, "in two stacks"),
+    ],
+)
+def test_bad_stacks_are_refused(stacks, message):
+    with pytest.raises(ConfigError, match=message):
+        SlotBuffers(SPEC, SPEC.max_positions, LAYOUT, stacks=stacks)
+
+
+@pytest.mark.parametrize("keys", [("ab", "a", "cd", "e"), ("ab", "cd"), ("a", "b", "cd", "e", "zz")])
+def test_rows_must_cover_each_buffer_once(keys):
+    named = rows(1, 0)
+    given = {**named, **stacked(named)}
+    buffers = SlotBuffers(SPEC, SPEC.max_positions, LAYOUT, stacks=STACKS)
+    with pytest.raises(ConfigError, match="each of"):
+        buffers.write(0, {k: given.get(k, named["a"]) for k in keys}, live=0)
