@@ -2,7 +2,7 @@
 
 import pytest
 
-from butter_core import ConfigError, LayerSpec, Raw, parse_kv_cache
+from butter_core import LayerSpec, Raw, parse_kv_cache
 from butter_core.testing import SchemeConformance
 
 # fp32 storage is exact up to summation order; fp16/bf16 storage rounds each element.
