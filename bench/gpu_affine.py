@@ -83,11 +83,13 @@ TENSOR_CORE_SWEEPS = (
     {"READ_ONLY_LOADS": False},
     {"SCORE_CHAINS": {4: 1, 8: 1}},
     {"SCORE_CHAINS": {4: 2, 8: 2}},
+    {"TARGET_BLOCKS": 132},
     {"TARGET_BLOCKS": 396},
     {"TARGET_BLOCKS": 528},
     {"KEY_BLOCKS": 1, "TARGET_BLOCKS": 528},
     {"KEY_BLOCKS": 4},
     {"PREFETCH": True},
+    {"PREFETCH": True, "TARGET_BLOCKS": 396},
 )
 """Overrides of ``butter_affine.kernels.decode_mma``'s tunables, each timed alone for affine4
 and affine8 at 128k. Registers decide threadgroups per multiprocessor (nvcc 13.0, sm_90a,
