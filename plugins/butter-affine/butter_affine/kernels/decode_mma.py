@@ -98,7 +98,8 @@ although registers allow 3). The sweeps of 2026-11-30 first picked 396 ahead of 
 64.1 against 67.5 µs, affine8 77.9 against 78.4; before them 68.8 / 70.9 against
 77.0 / 71.3 and 83.0 against 88.3). A later side-by-side run (affine4, 128k, ratio to raw
 SDPA): 264 0.499x, 396 0.505x, 132 0.497x — one threadgroup per multiprocessor is as fast,
-so occupancy is not what limits this kernel (docs/benchmarks.md)."""
+so occupancy is not what limits this kernel, nor its pattern of reads: the same reads
+alone take 43 µs (``bench/gpu_read_streams.py``; docs/benchmarks.md)."""
 
 _PARTIALS = Kernel(
     name="butter_affine_decode_mma_partials",
