@@ -95,12 +95,16 @@ class Codec:
         return values.reshape(*lead, self.head_dim)
 
 
-def nearest_level(t: mx.array, boundaries: mx.array, bits: int) -> mx.array:
-    """Per element, the number of ``boundaries`` (ascending, ``2**bits - 1`` of them) below it, as uint32."""
+def nearest_level(
+    t: mx.array, boundaries: mx.array, bits: int, take: Callable[[mx.array, mx.array], mx.array] = mx.take
+) -> mx.array:
+    """Per element, the number of ``boundaries`` (ascending, ``2**bits - 1`` of them) below it,
+    as uint32, by binary search; ``take(table, index)`` reads the boundaries (the CPU path
+    passes a faster look-up)."""
     index = mx.zeros(t.shape, dtype=mx.uint32)
     step = 1 << (bits - 1)
     while step:
-        probe = mx.take(boundaries, (index + (step - 1)).astype(mx.int32))
+        probe = take(boundaries, (index + (step - 1)).astype(mx.int32))
         index = index + mx.where(t > probe, step, 0).astype(mx.uint32)
         step >>= 1
     return index

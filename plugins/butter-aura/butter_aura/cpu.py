@@ -107,7 +107,7 @@ def _nearest_level(t: mx.array, book: Codebook) -> mx.array:
         return _compiled_count(book)(t)
     boundaries = book.boundaries_array()
     if t.size * boundaries.size > COMPARISONS_AT_ONCE:
-        return nearest_level(t, boundaries, book.bits)
+        return nearest_level(t, boundaries, book.bits, take=_lookup)
     return mx.sum(t[..., None] > boundaries, axis=-1)
 
 
