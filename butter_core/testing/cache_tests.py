@@ -192,7 +192,11 @@ class AccountingTests(SchemeFixtures):
         mx.eval(cache.buffers())
         gc.collect()
         held = mx.get_active_memory() - before
-        assert held == pytest.approx(cache.nbytes_allocated, rel=0.05, abs=16384)
+        # MLX's GPU allocators round each array up: CUDA's to a power of two below 16 KB
+        # and to whole 16 KB pages above (an 18 KB array holds 32 KB), so there each
+        # array may hold up to a page more than its bytes.
+        pages = len(cache.buffers()) if mx.default_device().type == mx.gpu else 1
+        assert held == pytest.approx(cache.nbytes_allocated, rel=0.05, abs=16384 * pages)
 
 
 class ParameterTests(SchemeFixtures):
