@@ -46,45 +46,36 @@ _PROBE = Kernel(
   const int64_t end = start + PER_BLOCK < ROWS ? start + PER_BLOCK : ROWS;
   uint32_t acc = 0u;
   for (int64_t base = start + warp_id * 32; base + 32 <= end; base += 4 * 32) {
-    if (MODE == 2) {
-      const uint4* k = reinterpret_cast<const uint4*>(k_rows) + base * 5;
-      const uint4* v = reinterpret_cast<const uint4*>(v_rows) + base * 5;
+    // Codes (MODE 0, 1: 4 x 16 bytes per row) or whole rows (MODE 2: 5 x 16 bytes).
+    constexpr int CHUNKS = MODE == 2 ? 5 : 4;
+    const uint4* k = reinterpret_cast<const uint4*>(MODE == 2 ? k_rows : k_codes) + base * CHUNKS;
+    const uint4* v = reinterpret_cast<const uint4*>(MODE == 2 ? v_rows : v_codes) + base * CHUNKS;
 #pragma unroll
-      for (int i = 0; i < 5; ++i) {
-        const uint4 a = bt_read(k + i * 32 + lane_id);
-        const uint4 b = bt_read(v + i * 32 + lane_id);
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
-      }
-    } else {
-      const uint4* k = reinterpret_cast<const uint4*>(k_codes) + base * 4;
-      const uint4* v = reinterpret_cast<const uint4*>(v_codes) + base * 4;
+    for (int i = 0; i < CHUNKS; ++i) {
+      const uint4 a = bt_read(k + i * 32 + lane_id);
+      const uint4 b = bt_read(v + i * 32 + lane_id);
+      acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+    }
+    if (MODE == 0) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 a = bt_read(k + i * 32 + lane_id);
-        const uint4 b = bt_read(v + i * 32 + lane_id);
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
-      }
-      if (MODE == 0) {
+      for (int blk = 0; blk < 2; ++blk) {
 #pragma unroll
-        for (int blk = 0; blk < 2; ++blk) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {  // keys g, g + 8: group t
-            const int64_t row = base + 16 * blk + 8 * h + g;
-            acc ^= bt_read(k_scales + row * 4 + t) ^ (bt_read(k_biases + row * 4 + t) << 16);
-          }
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {  // keys 2t, 2t + 1, 2t + 8, 2t + 9: group g / 2
-            const int64_t row = base + 16 * blk + 2 * t + (i & 1) + 8 * (i >> 1);
-            acc ^= bt_read(v_scales + row * 4 + g / 2) ^ (bt_read(v_biases + row * 4 + g / 2) << 16);
-          }
+        for (int h = 0; h < 2; ++h) {  // keys g, g + 8: group t
+          const int64_t row = base + 16 * blk + 8 * h + g;
+          acc ^= bt_read(k_scales + row * 4 + t) ^ (bt_read(k_biases + row * 4 + t) << 16);
         }
-      } else if (lane_id < 16) {  // 4 arrays x 256 bytes: lane l takes 16 bytes of each
-        const uint4 a = bt_read(reinterpret_cast<const uint4*>(k_scales + base * 4) + lane_id);
-        const uint4 b = bt_read(reinterpret_cast<const uint4*>(k_biases + base * 4) + lane_id);
-        const uint4 c = bt_read(reinterpret_cast<const uint4*>(v_scales + base * 4) + lane_id);
-        const uint4 d = bt_read(reinterpret_cast<const uint4*>(v_biases + base * 4) + lane_id);
-        acc ^= a.x ^ b.y ^ c.z ^ d.w;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // keys 2t, 2t + 1, 2t + 8, 2t + 9: group g / 2
+          const int64_t row = base + 16 * blk + 2 * t + (i & 1) + 8 * (i >> 1);
+          acc ^= bt_read(v_scales + row * 4 + g / 2) ^ (bt_read(v_biases + row * 4 + g / 2) << 16);
+        }
       }
+    } else if (MODE == 1 && lane_id < 16) {  // 4 arrays x 256 bytes: lane l takes 16 bytes of each
+      const uint4 a = bt_read(reinterpret_cast<const uint4*>(k_scales + base * 4) + lane_id);
+      const uint4 b = bt_read(reinterpret_cast<const uint4*>(k_biases + base * 4) + lane_id);
+      const uint4 c = bt_read(reinterpret_cast<const uint4*>(v_scales + base * 4) + lane_id);
+      const uint4 d = bt_read(reinterpret_cast<const uint4*>(v_biases + base * 4) + lane_id);
+      acc ^= a.x ^ b.y ^ c.z ^ d.w;
     }
   }
   out[block_idx.x * (4 * 32) + thread_rank] = acc;
