@@ -59,9 +59,10 @@ import mlx.core as mx
 
 from butter_core import Affine, LayerSpec, Raw, make_layer_caches
 from butter_core.kernels import gpu_backend
+from butter_core.slots import unstack
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
 from gpu_timing import CALLS, amortised, copies_for, print_side_by_side, quantized_matmul_attention, side_by_side
-from butter_affine.packing import BUFFERS, PackedFormat, unstack
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat
 
 CONTEXTS = (4096, 32768, 131072)
 CHECK_CONTEXTS = (4096, 32768)
@@ -192,7 +193,7 @@ def packed_sets(bits: int, group: int, length: int) -> list[dict[str, mx.array]]
     sets = []
     for _ in range(copies_for(packed_bytes(bits, group, length))):
         keys, values = (mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE) for _ in range(2))
-        sets.append(unstack(quantize.quantize_kv(keys, values, bits=bits, group_size=group)))
+        sets.append(unstack(quantize.quantize_kv(keys, values, bits=bits, group_size=group), STACKS))
         mx.eval(sets[-1])
     return sets
 

@@ -71,14 +71,7 @@ class SlotBuffers:
     @property
     def arrays(self) -> dict[str, mx.array]:
         """Every buffer by name, all allocated slots (empty before the first write)."""
-        out = {}
-        for key, array in self._storage.items():
-            members = self.stacks.get(key)
-            if members is None:
-                out[key] = array
-            else:
-                out.update((name, _member(array, i)) for i, name in enumerate(members))
-        return out
+        return unstack(self._storage, self.stacks)
 
     def storage(self) -> list[mx.array]:
         """The arrays that hold the buffers (one per stack, one per unstacked buffer)."""
@@ -137,23 +130,25 @@ class SlotBuffers:
             s = self.spec
             return {name: mx.zeros((s.batch_size, s.n_kv_heads, 0, width), dtype)
                     for name, (width, dtype) in self.layout.items()}
-        out = {}
-        for key, array in self._storage.items():
-            members = self.stacks.get(key)
-            if members is None:
-                out[key] = array[:, :, :length]
-            else:
-                out.update((name, _member(array, i, length)) for i, name in enumerate(members))
-        return out
+        return unstack(self._storage, self.stacks, length)
 
     def clear(self) -> None:
         """Release every buffer."""
         self._storage = {}
 
 
-def _member(stack: mx.array, i: int, length: int | None = None) -> mx.array:
-    """Member ``i`` of a stack (slots ``[0, length)``), as a view: ``stack[i]`` would gather a copy."""
-    return stack[i : i + 1, :, :, :length].squeeze(0)
+def unstack(arrays: dict[str, mx.array], stacks: Stacks, length: int | None = None) -> dict[str, mx.array]:
+    """Arrays keyed by stack (``[n, batch, heads, slots, width]``) or buffer name -> every
+    buffer by name, as views (slots ``[0, length)`` when ``length`` is given). A stack's
+    member ``i`` is ``stack[i : i + 1].squeeze(0)``: ``stack[i]`` would gather a copy."""
+    out = {}
+    for key, array in arrays.items():
+        members = stacks.get(key)
+        if members is None:
+            out[key] = array if length is None else array[:, :, :length]
+        else:
+            out.update((name, array[i : i + 1, :, :, :length].squeeze(0)) for i, name in enumerate(members))
+    return out
 
 
 class BufferedSlotCache(SlotCache):

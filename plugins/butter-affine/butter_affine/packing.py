@@ -40,11 +40,6 @@ def stack(rows: dict[str, mx.array]) -> dict[str, mx.array]:
     return {name: mx.stack([rows[member] for member in members]) for name, members in STACKS.items()}
 
 
-def unstack(rows: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Rows by stack -> views by buffer name (``BUFFERS``; ``rows[name][i]`` would gather a copy)."""
-    return {member: rows[name][i : i + 1].squeeze(0) for name, members in STACKS.items()
-            for i, member in enumerate(members)}
-
 
 @attrs.frozen
 class PackedFormat:

@@ -5,11 +5,12 @@ import mlx.core as mx
 import pytest
 
 from butter_core import Affine, ConfigError, LayerSpec, Window, make_layer_caches, parse_kv_cache
+from butter_core.slots import unstack
 
 import butter_affine.working_set as working_set
 from butter_affine import AffineCache, PrefillPipeline, parse
 from butter_affine.ops import select_ops
-from butter_affine.packing import BUFFERS, PackedFormat, unstack
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat
 
 
 def rows(spec, tokens, scale, seed):
@@ -39,7 +40,7 @@ def test_overwritten_slots_hold_only_the_new_rows(name, dtype, chunks):
         cache.update_and_attend(q, new_k[:, :, start:start + tokens], new_v[:, :, start:start + tokens], scale=scale)
         start += tokens
     # positions 8..13 went to ring slots 2..7, replacing positions 2..7
-    expected = unstack(cache.inner.ops.quantize(new_k, new_v))
+    expected = unstack(cache.inner.ops.quantize(new_k, new_v), STACKS)
     stored = cache.inner.slots.arrays
     for name_ in BUFFERS:
         assert mx.array_equal(stored[name_][:, :, 2:8], expected[name_]).item(), name_
@@ -54,7 +55,7 @@ def test_rewrite_after_trim_requantizes():
     cache.trim(4)
     new = rows(spec, 4, 0.1, seed=2)
     cache.append(*new)
-    expected = unstack(cache.ops.quantize(*new))
+    expected = unstack(cache.ops.quantize(*new), STACKS)
     assert all(mx.array_equal(cache.slots.arrays[n][:, :, 6:10], expected[n]).item() for n in BUFFERS)
 
 

@@ -8,12 +8,13 @@ import pytest
 
 from butter_core.kernels import gpu_backend, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
+from butter_core.slots import unstack
 
 from butter_affine import codec
 from butter_affine import ops
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
 from butter_affine.ops import float32_decode
-from butter_affine.packing import BUFFERS, STACKS, PackedFormat, unstack
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat
 
 CASES = [
     pytest.param(check, case, id=f"{check.name}-{i}")
@@ -86,7 +87,7 @@ def test_quantize_reference_is_codec_quantize():
     keys, values = (mx.random.normal((1, 2, 3, 64), key=mx.random.key(i)) for i in range(2))
     stacked = quantize.quantize_kv_reference(keys, values, bits=6, group_size=32)
     assert list(stacked) == list(STACKS)
-    rows = unstack(stacked)
+    rows = unstack(stacked, STACKS)
     assert sorted(rows) == sorted(BUFFERS)
     expected = dict(zip(BUFFERS, codec.quantize(keys, 6, 32) + codec.quantize(values, 6, 32)))
     assert all(mx.array_equal(rows[name], expected[name]).item() for name in BUFFERS)

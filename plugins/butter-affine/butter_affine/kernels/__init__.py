@@ -15,10 +15,11 @@ import mlx.core as mx
 import numpy as np
 
 from butter_core.kernels import KernelCheck
+from butter_core.slots import unstack
 
 from butter_affine import codec
 from butter_affine.kernels import decode, decode_mma, dequantize, quantize
-from butter_affine.packing import BUFFERS, unstack
+from butter_affine.packing import BUFFERS, STACKS
 
 
 def _quantized_rows(quantize_kv):
@@ -26,7 +27,7 @@ def _quantized_rows(quantize_kv):
     so a check can compare two packings element by element."""
 
     def run(keys, values, bits, group_size):
-        packed = unstack(quantize_kv(keys, values, bits=bits, group_size=group_size))
+        packed = unstack(quantize_kv(keys, values, bits=bits, group_size=group_size), STACKS)
         parts = [codec.unpack(packed[name], bits) if name.endswith("codes") else packed[name] for name in BUFFERS]
         return mx.concatenate([part.astype(mx.float32).reshape(-1) for part in parts])
 

@@ -88,7 +88,7 @@ _QUANTIZE = Kernel(
 
 def quantize_kv(keys: mx.array, values: mx.array, *, bits: int, group_size: int) -> dict[str, mx.array]:
     """Codes/scales/biases of ``keys`` and ``values`` ``[B, H, T, D]`` (scales in their dtype),
-    stacked as ``packing.STACKS`` (``packing.unstack`` names them as ``packing.BUFFERS``)."""
+    stacked as ``packing.STACKS`` (``butter_core.slots.unstack`` names them as ``packing.BUFFERS``)."""
     _check_rows(keys, values)
     fmt = PackedFormat(bits, group_size, keys.shape[-1], keys.dtype)
     lead = keys.shape[:-1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from butter_core.kernels import Kernel
+from butter_core.slots import unstack
 
 from butter_aura.codec import SCALE_DTYPE, Codec
 from butter_aura.kernels.source import HELPERS
@@ -145,15 +146,7 @@ def encode(
     keys: mx.array, values: mx.array, rotation: Rotation, key_codec: Codec, value_codec: Codec
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """``reference.encode`` on the GPU: key codes, key scales, value codes, value scales."""
-    rows = encode_rows(keys, values, rotation, key_codec, value_codec)
-    stacks = stacks_for(key_codec, value_codec)
-    named = {}
-    for name, array in rows.items():
-        members = stacks.get(name)
-        if members is None:
-            named[name] = array
-        else:
-            named.update((member, array[i : i + 1].squeeze(0)) for i, member in enumerate(members))
+    named = unstack(encode_rows(keys, values, rotation, key_codec, value_codec), stacks_for(key_codec, value_codec))
     return tuple(named[name] for name in BUFFERS)
 
 
