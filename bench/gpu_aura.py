@@ -32,6 +32,11 @@ Run on a machine with a GPU backend (the lent H200, or Apple silicon), from the 
    through the read-only data path) changed, while the time
    budget lasts.
 5. **min-keys** — aura4v2 at every context with ``min_keys`` 128-2048, side by side.
+6. **ahead** — at 128k, side by side: the tensor-core kernel's defaults against value
+   codes loaded with the values, not a step ahead (``ahead=False``), and against two
+   threadgroups per multiprocessor instead of three (``per_sm=2``); aura4v2 with raw SDPA
+   both as independent calls and *chained* (each call's output the next call's query, as
+   the layers of a decode step wait on each other), then aura4v4 and aura8v8.
 
 Every section runs in its own try/except, so one failure cannot hide the others
 (``--sections`` runs a subset, should a crash of the process itself need working
@@ -352,6 +357,57 @@ def run_min_keys() -> list[dict]:
     return rows
 
 
+def independent_aura(copies: list[dict], **tunables) -> Callable[[], list[mx.array]]:
+    """``CALLS`` independent decode calls through the tensor-core kernel."""
+    return lambda: [attention.decode_attention(**copies[i % len(copies)], method="mma", **tunables)
+                    for i in range(CALLS)]
+
+
+def chained_aura(copies: list[dict], **tunables) -> Callable[[], list[mx.array]]:
+    """``CALLS`` decode calls in a chain: each call's output is the next call's query."""
+    def build() -> list[mx.array]:
+        x = copies[0]["queries"]
+        for i in range(CALLS):
+            inputs = copies[i % len(copies)]
+            x = attention.decode_attention(x, inputs["stored"], inputs["scale"], method="mma", **tunables)
+        return [x]
+    return build
+
+
+AHEAD_VARIANTS = {"defaults": {}, "values not ahead": {"ahead": False}, "2 threadgroups per SM": {"per_sm": 2}}
+
+
+def run_ahead(length: int = 131072) -> dict:
+    """The tensor-core kernel's defaults against ``AHEAD_VARIANTS``, side by side: aura4v2
+    with raw SDPA as independent and as chained calls (``gpu_timing.side_by_side``, 7 rounds),
+    then aura4v4 and aura8v8 (5 rounds)."""
+    raw = raw_copies(length)
+    scale = HEAD_DIM**-0.5
+
+    def raw_chained() -> list[mx.array]:
+        x = raw[0][0]
+        for i in range(CALLS):
+            x = mx.fast.scaled_dot_product_attention(x, *raw[i % len(raw)][1:], scale=scale)
+        return [x]
+
+    copies = aura_copies("aura4v2", length)
+    independent = {"raw sdpa": lambda: [mx.fast.scaled_dot_product_attention(*raw[i % len(raw)], scale=scale)
+                                        for i in range(CALLS)]}
+    chained = {"raw sdpa": raw_chained}
+    for label, tunables in AHEAD_VARIANTS.items():
+        independent[f"aura4v2 {label}"] = independent_aura(copies, **tunables)
+        chained[f"aura4v2 {label}"] = chained_aura(copies, **tunables)
+    out = {"independent": side_by_side(independent), "chained": side_by_side(chained)}
+    print_side_by_side(out["independent"], f"independent {length // 1024}k")
+    print_side_by_side(out["chained"], f"chained {length // 1024}k")
+    for name in ("aura4v4", "aura8v8"):
+        others = aura_copies(name, length)
+        out[name] = side_by_side({label: independent_aura(others, **tunables)
+                                  for label, tunables in AHEAD_VARIANTS.items()}, rounds=5)
+        print_side_by_side(out[name], f"{name} {length // 1024}k")
+    return out
+
+
 # -- 3. encode and dequantize ----------------------------------------------------------
 
 
@@ -369,7 +425,7 @@ def run_other_kernels() -> dict:
     return out
 
 
-SECTIONS = ("checks", "decode", "side-by-side", "other", "tunables", "min-keys")
+SECTIONS = ("checks", "decode", "side-by-side", "other", "tunables", "min-keys", "ahead")
 
 
 def main() -> None:
@@ -389,6 +445,7 @@ def main() -> None:
         ("other", "other kernels", run_other_kernels),
         ("tunables", "tunables", run_tunables),
         ("min-keys", "keys per split by context", run_min_keys),
+        ("ahead", "loads ahead, threadgroups per multiprocessor", run_ahead),
     ):
         if key in sections:
             section(name, results, run)

@@ -15,7 +15,9 @@ layouts of the same bytes:
 * ``two streams``: each K and V row's codes, scales and biases together (80 bytes).
 
 Side by side with raw SDPA (``gpu_timing.side_by_side``), batch 1, 8 KV heads, 131072
-positions. Usage: ``python3 bench/gpu_read_streams.py`` (on the lent H200, as the other
+positions. The calls are independent, so consecutive ones overlap on the GPU, and this
+light kernel (no shared memory, few registers) overlaps far more than the decode kernel:
+its times compare layouts with each other, not with one decode call (docs/benchmarks.md). Usage: ``python3 bench/gpu_read_streams.py`` (on the lent H200, as the other
 GPU benches).
 """
 

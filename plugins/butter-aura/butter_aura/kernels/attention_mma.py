@@ -46,8 +46,11 @@ float16 inputs, float32 sums), in the transposed layout of ``butter_core.kernels
   table's base. Built once per threadgroup from the codebooks (16-byte stores).
 
 A warp takes ``BLOCKS`` blocks per step (default 2: more loads in flight, one softmax
-reduction per 32 keys); the next step's key codes and scales are loaded as soon as the
-scores are done, its value codes as soon as the values are. Full-precision slots (sinks,
+reduction per 32 keys); the next step's key codes, scales and value codes are loaded as
+soon as the scores are done, the value codes into a second buffer (``AHEAD``, see
+``default_ahead``; without it they wait until the values are done, and a step with little
+work waits on two load latencies: H200, 128k, side by side, aura4v2 0.586x raw SDPA's time
+against 0.629x, chained 0.727x against 0.754x; ``bench/gpu_aura.py --sections ahead``). Full-precision slots (sinks,
 the recent ring) are skipped as in the SIMT kernel: a step wholly inside ``[sinks,
 end)`` and outside the ring's slot range takes no per-key test. After the loop each
 warp's state goes to shared memory (over the tables) and ``mma_write_partials`` merges
@@ -124,6 +127,13 @@ def default_blocks(key_bits: int, value_bits: int, dims: int) -> int:
     return 1 if key_bits == 8 and value_bits == 8 and dims == 128 else BLOCKS
 
 
+def default_ahead(key_bits: int, value_bits: int, dims: int) -> bool:
+    """Whether the value codes are loaded a step ahead (``AHEAD``): everywhere but aura8v4 at
+    head_dim 128, where the second buffer takes the build from 168 registers to 255 (nvcc
+    13.0, sm_90a; every other configuration keeps its count: 127-168)."""
+    return not (key_bits == 8 and value_bits == 4 and dims == 128)
+
+
 def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int) -> int:
     """Splits of the live keys: at least ``min_keys`` keys each, and no more threadgroups than
     the GPU holds at once (``resident``): one wave, never a second wave of a few blocks,
@@ -132,7 +142,8 @@ def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int)
 
 
 _BODY = """
-  // Template: T (query dtype), D, KB, VB (code bits), HEADS, WARPS, BLOCKS (16-key blocks per warp step).
+  // Template: T (query dtype), D, KB, VB (code bits), HEADS, WARPS, BLOCKS (16-key blocks per warp step),
+  // READ_ONLY, AHEAD (value codes loaded a step ahead, into a second buffer).
   // params: [live, sinks, ring, recent_lo, recent_hi]. Scales are float16.
   constexpr int THREADS = WARPS * BT_WARP_SIZE;
   constexpr int KSTEPS = D / 16;            // k-steps of the score MMA
@@ -166,10 +177,11 @@ _BODY = """
   int base = block.start + static_cast<int>(warp_id) * KEYS;
 
   // Codes and scales of a step (key block b = keys base + 16 b + [0, 16)): the key codes
-  // and scales are reloaded for the next step as soon as the scores are done, the value
-  // codes as soon as the values are.
+  // and scales are reloaded for the next step as soon as the scores are done; the value
+  // codes with them into a second buffer (AHEAD), else as soon as the values are done.
   uint32_t kc[BLOCKS][2][KLW];   // keys g and g + 8: this lane's quarter of their codes
   uint32_t vc[BLOCKS][4][VLW];   // keys 2t, 2t+1, 2t+8, 2t+9: this lane's eighth of their codes
+  uint32_t vn[AHEAD ? BLOCKS : 1][4][VLW];  // AHEAD: the next step's value codes
   float ks[BLOCKS][2];           // key scales of keys g and g + 8
   float vs[BLOCKS][2];           // their value scales
   // A step wholly inside [start, end) reads from one address per array plus constant
@@ -202,14 +214,14 @@ _BODY = """
       }
     }
   };
-  auto load_values = [&](int at) {
+  auto load_values = [&](int at, uint32_t (*dst)[4][VLW]) {
     if (at + KEYS <= block.end) {
       const unsigned char* codes = v_base + static_cast<uint32_t>(at + 2 * t) * static_cast<uint32_t>(VWB);
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          aura_load_bytes<VLB, READ_ONLY>(codes + (16 * b + (i & 1) + 8 * (i >> 1)) * VWB, vc[b][i]);
+          aura_load_bytes<VLB, READ_ONLY>(codes + (16 * b + (i & 1) + 8 * (i >> 1)) * VWB, dst[b][i]);
         }
       }
     } else {
@@ -218,14 +230,14 @@ _BODY = """
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 2 * t + (i & 1) + 8 * (i >> 1), last));
-          aura_load_bytes<VLB, READ_ONLY>(v_base + key * static_cast<uint32_t>(VWB), vc[b][i]);
+          aura_load_bytes<VLB, READ_ONLY>(v_base + key * static_cast<uint32_t>(VWB), dst[b][i]);
         }
       }
     }
   };
   if (base < block.end) {  // the first step's loads overlap building the tables
     load_keys(base);
-    load_values(base);
+    load_values(base, vc);
   }
 
   // The look-up tables: 256 entries of 256 bytes in dynamic shared memory. Entry e holds
@@ -331,6 +343,9 @@ _BODY = """
     }
     if (base + STEP < block.end) {
       load_keys(base + STEP);
+      if constexpr (AHEAD) {
+        load_values(base + STEP, vn);
+      }
     }
 
     // Keys read from their codes: inside [sinks, end) and not held by the recent ring.
@@ -443,8 +458,19 @@ _BODY = """
         bt_mma_16x8x16(o + 4 * j, a, pb, lane_id);
       }
     }
-    if (base + STEP < block.end) {
-      load_values(base + STEP);
+    if constexpr (AHEAD) {
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+          for (int w = 0; w < VLW; ++w) {
+            vc[b][i][w] = vn[b][i][w];
+          }
+        }
+      }
+    } else if (base + STEP < block.end) {
+      load_values(base + STEP, vc);
     }
   }
 
@@ -572,10 +598,13 @@ def partials(
     blocks: int | None = None,
     min_keys: int = MIN_KEYS_PER_SPLIT,
     read_only: bool | None = None,
+    ahead: bool | None = None,
+    per_sm: int | None = None,
     splits: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
-    slots; ``splits`` forces the split count (tests), else ``num_splits``."""
+    slots; ``splits`` forces the split count (tests), else ``num_splits`` for at most
+    ``per_sm`` threadgroups per multiprocessor (default: as many as fit)."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = stored.key_codes.shape[1]
     kc, vc = stored.key_codec, stored.value_codec
@@ -583,7 +612,8 @@ def partials(
     shared = shared_bytes(warps, heads, dims)
     blocks_per_split = batch * q_heads // heads
     if splits is None:
-        splits = num_splits(stored.length, blocks_per_split, SMS * blocks_per_sm(shared, warps), min_keys)
+        resident = blocks_per_sm(shared, warps) if per_sm is None else min(per_sm, blocks_per_sm(shared, warps))
+        splits = num_splits(stored.length, blocks_per_split, SMS * resident, min_keys)
     if blocks is None:
         blocks = default_blocks(kc.bits, vc.bits, dims)
     threads = warps * 32
@@ -600,6 +630,7 @@ def partials(
             ("T", queries.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits), ("HEADS", launch.heads),
             ("WARPS", warps), ("BLOCKS", blocks),
             ("READ_ONLY", READ_ONLY_LOADS if read_only is None else read_only),
+            ("AHEAD", default_ahead(kc.bits, vc.bits, dims) if ahead is None else ahead),
         ],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
