@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import struct
 
 import mlx.core as mx
 import pytest
@@ -13,9 +12,7 @@ from butter_core.kernels import (
     CheckResult,
     Kernel,
     KernelUnavailableError,
-    by_value,
     default_device_is_gpu,
-    float_bits,
     gpu_backend,
     mma,
     relative_error,
@@ -214,30 +211,3 @@ def test_merge_partials_needs_a_gpu():
     partial_max = mx.zeros((1, 2, 3))
     with pytest.raises(KernelUnavailableError):
         split_k.merge_partials(mx.zeros((1, 2, 3, 64)), partial_max, partial_max, mx.float16)
-
-
-def test_by_value_carries_integers_in_an_empty_arrays_shape():
-    args = by_value(131072, 0, 7)
-    assert args.shape == (131072, 0, 7, 0)
-    assert args.size == 0 and args.nbytes == 0 and args.dtype == mx.int32
-    assert by_value(2**31 - 1, 2**31 - 1).shape == (2**31 - 1, 2**31 - 1, 0)
-
-
-@pytest.mark.parametrize("values", [(), (-1,), (2**31,), (1.5,), (True, 2) * 5])
-def test_by_value_rejects_what_a_shape_cannot_carry(values):
-    with pytest.raises(ValueError, match="by_value carries"):
-        by_value(*values)
-
-
-@pytest.mark.parametrize("value", [0.125, 64**-0.5, 1.0, 3.0e38, 1e-40])
-def test_float_bits_are_the_float32_bits(value):
-    bits = float_bits(value)
-    assert 0 <= bits < 2**31
-    assert struct.unpack("<f", struct.pack("<I", bits))[0] == struct.unpack("<f", struct.pack("<f", value))[0]
-    by_value(bits)
-
-
-@pytest.mark.parametrize("value", [0.0, -0.5, math.inf, math.nan])
-def test_float_bits_rejects_what_is_not_a_positive_finite_float(value):
-    with pytest.raises(ValueError, match="positive finite"):
-        float_bits(value)

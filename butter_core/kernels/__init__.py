@@ -4,14 +4,12 @@
 - ``dialect``: the vocabulary kernel bodies are written in, per backend.
 - ``kernel``: ``Kernel``, a lazily built custom kernel, and output poisoning.
 - ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
-- ``arguments``: ``by_value``, per-call integers a kernel reads from an input's shape.
 - ``split_k``: the split-K (flash-decoding) helpers, launch plan and merge kernel that
   every fused single-query attention kernel shares.
 - ``mma``: the fragment bookkeeping of tensor-core split-K decode kernels (query
   fragments, online softmax, partials), on the dialect's ``bt_mma_16x8x16``.
 """
 
-from butter_core.kernels.arguments import by_value, float_bits
 from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend
 from butter_core.kernels.checks import CheckResult, KernelCheck, relative_error
 from butter_core.kernels.kernel import Kernel, KernelUnavailableError, poisoned_outputs
@@ -23,9 +21,7 @@ __all__ = [
     "Kernel",
     "KernelCheck",
     "KernelUnavailableError",
-    "by_value",
     "default_device_is_gpu",
-    "float_bits",
     "gpu_backend",
     "mma",
     "poisoned_outputs",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from butter_core.kernels import Kernel, KernelCheck, by_value, float_bits, split_k
+from butter_core.kernels import Kernel, KernelCheck, split_k
 
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -40,7 +40,7 @@ _TARGET_BLOCKS = 512
 
 _SDPA_PARTIALS = Kernel(
     name="butter_raw_sdpa_decode_partials",
-    input_names=("queries", "keys", "values", "args"),
+    input_names=("queries", "keys", "values", "length", "scale"),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=split_k.SPLIT_K_HELPERS,
     body="""
@@ -48,15 +48,14 @@ _SDPA_PARTIALS = Kernel(
   // the live keys. A key's D values are spread over LANES_PER_KEY lanes, VEC per lane,
   // so a warp holds KEYS_PER_WARP keys at once; each lane's stream takes TILE keys per
   // step and rescales its running sums once per step. Scores are in log2 units (the
-  // query is pre-scaled by scale * log2(e)). args (butter_core.kernels.by_value):
-  // (length, bits of scale).
+  // query is pre-scaled by scale * log2(e)).
   constexpr int VEC = 8;
   constexpr int LANES_PER_KEY = D / VEC;
   constexpr int KEYS_PER_WARP = BT_WARP_SIZE / LANES_PER_KEY;
   constexpr int KEYS_PER_STEP = WARPS * KEYS_PER_WARP * TILE;
 
   const SplitKBlock block = splitk_block<HEADS>(
-      block_idx, grid_dim, queries_shape[1], keys_shape[1], args_shape[0]);
+      block_idx, grid_dim, queries_shape[1], keys_shape[1], length[0]);
   const int start = block.start;
   const int end = block.end;
   const int allocated = keys_shape[2];
@@ -64,7 +63,7 @@ _SDPA_PARTIALS = Kernel(
   const int slot = lane_id / LANES_PER_KEY;
   const int64_t kv_offset = static_cast<int64_t>(block.batch_kv_head) * allocated * D + sub * VEC;
 
-  const float q_scale = bt_as_float(static_cast<uint32_t>(args_shape[1])) * 1.4426950408889634f;
+  const float q_scale = scale[0] * 1.4426950408889634f;
   float q[HEADS][VEC];
   float m[HEADS];
   float l[HEADS];
@@ -143,19 +142,18 @@ _SDPA_PARTIALS = Kernel(
 
 _KV_CACHE_UPDATE = Kernel(
     name="butter_raw_kv_cache_update",
-    input_names=("cache", "rows", "args"),
+    input_names=("cache", "rows", "offset"),
     output_names=("out",),
     body="""
   // One threadgroup per (slot, batch * head), one thread per dimension of the row:
-  // the new row where rows land, the old buffer's row elsewhere. args
-  // (butter_core.kernels.by_value): (offset).
+  // the new row where rows land, the old buffer's row elsewhere.
   const int dims = cache_shape[3];
   const int allocated = cache_shape[2];
   const int n_rows = rows_shape[2];
   const int position = block_idx.x;
   const int64_t batch_head = block_idx.y;
   const int d = thread_idx.x;
-  const int r = position - args_shape[0];
+  const int r = position - offset[0];
   const int64_t index = (batch_head * allocated + position) * dims + d;
   out[index] = (r >= 0 && r < n_rows) ? rows[(batch_head * n_rows + r) * dims + d]
                                       : cache[index];
@@ -206,7 +204,8 @@ def sdpa_decode(
             queries,
             keys,
             values,
-            by_value(length, float_bits(scale)),
+            mx.array([length], dtype=mx.int32),
+            mx.array([scale], dtype=mx.float32),
         ],
         template=[("T", dtype), ("D", dims), ("HEADS", launch.heads), ("WARPS", _WARPS),
                   ("TILE", _TILE)],
@@ -238,7 +237,7 @@ def kv_cache_update(cache: mx.array, rows: mx.array, offset: int) -> mx.array:
     _check_update_args(cache, rows, offset)
     batch, heads, allocated, dims = cache.shape
     (out,) = _KV_CACHE_UPDATE(
-        inputs=[cache, rows, by_value(offset)],
+        inputs=[cache, rows, mx.array([offset], dtype=mx.int32)],
         template=[("T", cache.dtype)],
         grid=(allocated * dims, batch * heads, 1),
         threadgroup=(dims, 1, 1),

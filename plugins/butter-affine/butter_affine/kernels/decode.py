@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from butter_core.cache import reference_attention
-from butter_core.kernels import Kernel, by_value, float_bits, split_k
+from butter_core.kernels import Kernel, split_k
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS
@@ -57,7 +57,7 @@ TARGET_BLOCKS = 528
 
 _PARTIALS = Kernel(
     name="butter_affine_decode_partials",
-    input_names=(*("queries",), *BUFFERS, "args"),
+    input_names=(*("queries",), *BUFFERS, "length", "scale"),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=CODE_HELPERS + split_k.SPLIT_K_HELPERS + r"""
 // Lane slice of TILE keys (key first + t * stride, its row clamped to last when past
@@ -95,7 +95,7 @@ BT_FUNC void affine_fetch_tile(
   constexpr int GROUPS = D / GROUP;
 
   const SplitKBlock block = splitk_block<HEADS>(
-      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], args_shape[0]);  // args (by_value): length, bits of scale
+      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], length[0]);
   const int start = block.start;
   const int end = block.end;
   const int allocated = key_codes_shape[2];
@@ -105,7 +105,7 @@ BT_FUNC void affine_fetch_tile(
   const int64_t code_offset = first_row * ROW_WORDS + sub * WORDS;
   const int64_t group_offset = first_row * GROUPS + (sub * ELEMS) / GROUP;
 
-  const float q_scale = bt_as_float(static_cast<uint32_t>(args_shape[1])) * 1.4426950408889634f;
+  const float q_scale = scale[0] * 1.4426950408889634f;
   float q[HEADS * ELEMS];
   float q_sum[HEADS];
   float m[HEADS];
@@ -259,7 +259,7 @@ def decode_attention(
     )
     partials = _PARTIALS(
         inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
-                by_value(length, float_bits(scale))],
+                mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("ELEMS", ELEMS), ("WARPS", WARPS),
                   ("TILE", TILE[fmt.bits]), ("PREFETCH", PREFETCH)],

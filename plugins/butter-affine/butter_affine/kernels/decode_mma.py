@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, by_value, float_bits, mma, split_k
+from butter_core.kernels import Kernel, mma, split_k
 
 from butter_affine.kernels.codes import CODE_HELPERS, MMA_CODE_HELPERS
 from butter_affine.kernels.decode import _check_args, decode_attention_reference, make_inputs
@@ -103,7 +103,7 @@ alone take 43 µs (``bench/gpu_read_streams.py``; docs/benchmarks.md)."""
 
 _PARTIALS = Kernel(
     name="butter_affine_decode_mma_partials",
-    input_names=("queries", *BUFFERS, "args"),
+    input_names=("queries", *BUFFERS, "length", "scale"),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     mma=True,
     helpers=CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + r"""
@@ -163,7 +163,7 @@ BT_FUNC void affine_mma_fetch_values(
   constexpr int VPAIRS = 32 / BITS;               // half2 per value word pair
 
   const SplitKBlock block = splitk_block<HEADS>(
-      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], args_shape[0]);  // args (by_value): length, bits of scale
+      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], length[0]);
   const int g = lane_id / 4;
   const int q = lane_id % 4;
   const int allocated = key_codes_shape[2];
@@ -173,10 +173,9 @@ BT_FUNC void affine_mma_fetch_values(
   const int64_t v_words = first_row * ROW_WORDS + g * VW;
   const int64_t v_groups = first_row * GROUPS + (g * VCHUNK) / GROUP;
 
-  const float q_scale = bt_as_float(static_cast<uint32_t>(args_shape[1])) * 1.4426950408889634f;
   uint32_t qb[NH * STEPS * 2];
   mma_query_fragments<AffineKPerm<BITS>, NH, D, T>(
-      queries + static_cast<int64_t>(block.first_q_head) * D, HEADS, q_scale, lane_id, qb);
+      queries + static_cast<int64_t>(block.first_q_head) * D, HEADS, scale[0] * 1.4426950408889634f, lane_id, qb);
 
   float m[NH * 2];
   float l[NH * 2];
@@ -339,7 +338,7 @@ def decode_attention(
     )
     partials = _PARTIALS(
         inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
-                by_value(length, float_bits(scale))],
+                mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
                   ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS[fmt.bits]), ("READ_ONLY", READ_ONLY_LOADS)],

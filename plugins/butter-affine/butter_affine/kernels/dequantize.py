@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, by_value
+from butter_core.kernels import Kernel
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS
@@ -25,7 +25,7 @@ _THREADS = 256
 
 _DEQUANTIZE = Kernel(
     name="butter_affine_dequantize_kv",
-    input_names=(*BUFFERS, "args"),
+    input_names=(*BUFFERS, "length"),
     output_names=("keys", "values"),
     helpers=CODE_HELPERS,
     body="""
@@ -36,7 +36,7 @@ _DEQUANTIZE = Kernel(
   constexpr int RUNS = D / RUN;
   const int64_t batch_heads = static_cast<int64_t>(key_codes_shape[0]) * key_codes_shape[1];
   const int allocated = key_codes_shape[2];
-  const int live = args_shape[0];  // args (by_value): length
+  const int live = length[0];
   const int64_t per_side = batch_heads * live * RUNS;
   const int64_t index = global_idx.x;
   if (index < 2 * per_side) {
@@ -75,7 +75,7 @@ def dequantize_kv(
         return mx.zeros(shape, dtype), mx.zeros(shape, dtype)
     keys, values = _DEQUANTIZE(
         inputs=[key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
-                by_value(length)],
+                mx.array([length], dtype=mx.int32)],
         template=[("T", dtype), ("S", key_scales.dtype), ("D", fmt.head_dim), ("BITS", bits),
                   ("GROUP", fmt.group_size)],
         grid=(2 * batch * heads * length * fmt.head_dim // _RUN, 1, 1),

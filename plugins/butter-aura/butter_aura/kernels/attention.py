@@ -34,7 +34,7 @@ import functools
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, by_value, float_bits, gpu_backend, split_k
+from butter_core.kernels import Kernel, gpu_backend, split_k
 
 from butter_aura.kernels import attention_mma
 from butter_aura.kernels.source import HELPERS
@@ -56,13 +56,13 @@ _PARTIALS = Kernel(
     name="butter_aura_decode_partials",
     input_names=(
         "queries", "signs", "key_codes", "key_scales", "value_codes", "value_scales",
-        "key_levels", "value_levels", "recent_slots", "args",
+        "key_levels", "value_levels", "recent_slots", "params", "scale",
     ),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=split_k.SPLIT_K_HELPERS + HELPERS,
     body="""
   // Template: T (query dtype), S (scale dtype), D, KB/VB (bits), KG/VG (scale groups),
-  // HEADS, LANES, WARPS, TILE. args (by value, call_args): live, sinks, ring, recent_lo, recent_hi, bits of scale.
+  // HEADS, LANES, WARPS, TILE. params: [live, sinks, ring, recent_lo, recent_hi].
   constexpr int VEC = D / LANES;
   constexpr int KEYS_PER_WARP = BT_WARP_SIZE / LANES;
   constexpr int KEYS_PER_STEP = WARPS * KEYS_PER_WARP * TILE;
@@ -71,7 +71,7 @@ _PARTIALS = Kernel(
   constexpr int VW = (D * VB + 31) / 32;
   constexpr int PER = (HEADS * D + THREADS - 1) / THREADS;
 
-  const AuraSlotParams slot_params{args_shape[0], args_shape[1], args_shape[2], args_shape[3], args_shape[4]};
+  const AuraSlotParams slot_params = aura_slot_params(params);
   const SplitKBlock block =
       splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], slot_params.live);
   const int allocated = key_codes_shape[2];
@@ -94,7 +94,7 @@ _PARTIALS = Kernel(
   }
   BT_BARRIER;
   aura_fwht_shared<PER>(q_rot, HEADS * D, D, THREADS, static_cast<int>(thread_rank));
-  const float q_scale = bt_as_float(static_cast<uint32_t>(args_shape[5])) * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
+  const float q_scale = scale[0] * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
   float q[HEADS * VEC];
   float m[HEADS];
   float l[HEADS];
@@ -188,25 +188,25 @@ _MERGE = Kernel(
     name="butter_aura_decode_merge",
     input_names=(
         "partial_acc", "partial_max", "partial_sum", "queries", "signs",
-        "fp_keys", "fp_values", "recent_slots", "args",
+        "fp_keys", "fp_values", "recent_slots", "params", "scale",
     ),
     output_names=("out",),
     helpers=split_k.MERGE_HELPERS + HELPERS,
     body="""
   // Template: T (query dtype), F (full-precision row dtype), D, ROWS (full-precision
-  // rows). One threadgroup of D threads per (batch, query head). args: call_args.
+  // rows). One threadgroup of D threads per (batch, query head). params: [live, sinks].
   constexpr int WARPS_HERE = D / BT_WARP_SIZE;
   const int n_splits = partial_max_shape[2];
   const int q_heads = queries_shape[1];
   const int kv_heads = fp_keys_shape[1];
-  const int live = args_shape[0];
-  const int sinks = args_shape[1];
+  const int live = params[0];
+  const int sinks = params[1];
   const int64_t head = block_idx.x;
   const int batch = static_cast<int>(head / q_heads);
   const int kv_head = static_cast<int>(head % q_heads) / (q_heads / kv_heads);
   const int64_t fp_base = (static_cast<int64_t>(batch) * kv_heads + kv_head) * ROWS * D;
   const int d = thread_idx.x;
-  const float q_scale = bt_as_float(static_cast<uint32_t>(args_shape[5])) * 1.4426950408889634f;
+  const float q_scale = scale[0] * 1.4426950408889634f;
 
   BT_SHARED float fp_score[ROWS];
   BT_SHARED float buf[D];
@@ -257,13 +257,6 @@ def _on_cuda() -> bool:
     return gpu_backend() == "cuda"
 
 
-def call_args(stored: StoredLayer, scale: float) -> mx.array:
-    """The decode kernels' per-call values, by value (``butter_core.kernels.by_value``):
-    live slots, sinks, ring rows, the ring's smallest and largest slot, the scale's bits."""
-    lo, hi = stored.recent_range()
-    return by_value(stored.length, stored.sinks, stored.ring, lo, hi, float_bits(scale))
-
-
 def decode_attention(
     queries: mx.array,
     stored: StoredLayer,
@@ -289,23 +282,25 @@ def decode_attention(
         raise ValueError(f"the attention kernels serve head_dim {SUPPORTED_HEAD_DIMS}; got {dims}")
     if method is None:
         method = "mma" if _on_cuda() and attention_mma.serves(queries, stored) else "simt"
-    args = call_args(stored, scale)
+    lo, hi = stored.recent_range()
+    params = mx.array([length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
+    scale_array = mx.array([scale], dtype=mx.float32)
     if method == "mma":
         if not attention_mma.serves(queries, stored):
             raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
         partial_acc, partial_max, partial_sum = attention_mma.partials(
-            queries, stored, args, splits=splits, **tunables
+            queries, stored, params, scale_array, splits=splits, **tunables
         )
     elif method == "simt":
         partial_acc, partial_max, partial_sum = _simt_partials(
-            queries, stored, args, splits=splits, **tunables
+            queries, stored, params, scale_array, splits=splits, **tunables
         )
     else:
         raise ValueError(f"method is 'mma', 'simt' or None; got {method!r}")
     (out,) = _MERGE(
         inputs=[
             partial_acc, partial_max, partial_sum, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values,
-            stored.recent_slots, args,
+            stored.recent_slots, params, scale_array,
         ],
         template=[("T", queries.dtype), ("F", stored.fp_keys.dtype), ("D", dims), ("ROWS", stored.fp_keys.shape[2])],
         grid=(dims * batch * q_heads, 1, 1),
@@ -319,7 +314,8 @@ def decode_attention(
 def _simt_partials(
     queries: mx.array,
     stored: StoredLayer,
-    args: mx.array,
+    params: mx.array,
+    scale: mx.array,
     *,
     lanes: int = LANES,
     warps: int = WARPS,
@@ -338,7 +334,7 @@ def _simt_partials(
     return _PARTIALS(
         inputs=[
             queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
-            stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, args,
+            stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, params, scale,
         ],
         template=[
             ("T", queries.dtype), ("S", stored.key_scales.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits),

@@ -144,8 +144,7 @@ def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int)
 _BODY = """
   // Template: T (query dtype), D, KB, VB (code bits), HEADS, WARPS, BLOCKS (16-key blocks per warp step),
   // READ_ONLY, AHEAD (value codes loaded a step ahead, into a second buffer).
-  // args (by value, attention.call_args): live, sinks, ring, recent_lo, recent_hi, bits of
-  // the softmax scale. Scales are float16.
+  // params: [live, sinks, ring, recent_lo, recent_hi]. Scales are float16.
   constexpr int THREADS = WARPS * BT_WARP_SIZE;
   constexpr int KSTEPS = D / 16;            // k-steps of the score MMA
   constexpr int MT = D / 16;                // m-tiles (16 coordinates) of the value MMA
@@ -158,7 +157,7 @@ _BODY = """
   constexpr int PER = (HEADS * D + THREADS - 1) / THREADS;
   static_assert(HEADS <= 8, "the value MMA has 8 head columns");
 
-  const AuraSlotParams slot_params{args_shape[0], args_shape[1], args_shape[2], args_shape[3], args_shape[4]};
+  const AuraSlotParams slot_params = aura_slot_params(params);
   const SplitKBlock block =
       splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], slot_params.live);
   const int allocated = key_codes_shape[2];
@@ -282,7 +281,7 @@ _BODY = """
 
   // The query as B fragments of the score MMA (butter_core.kernels.mma): head g's pairs
   // 2j and 2j+1 of its key chunk, coordinates t D/4 + 4j + {0, 1} and + {2, 3}.
-  const float q_scale = bt_as_float(static_cast<uint32_t>(args_shape[5])) * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
+  const float q_scale = scale[0] * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
   uint32_t qb[KSTEPS * 2];
   // (q_rot and the tables are complete here: aura_fwht_shared ends with a barrier.)
   mma_query_fragments<AuraKeyPerm, 1, D, float>(q_rot, HEADS, q_scale, lane_id, qb);
@@ -562,7 +561,7 @@ def partials_kernel(shared: int) -> Kernel:
             name=f"butter_aura_decode_mma_partials_{shared}",
             input_names=(
                 "queries", "signs", "key_codes", "key_scales", "value_codes", "value_scales",
-                "key_levels", "value_levels", "recent_slots", "args",
+                "key_levels", "value_levels", "recent_slots", "params", "scale",
             ),
             output_names=("partial_acc", "partial_max", "partial_sum"),
             helpers=split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + HELPERS + _MMA_HELPERS,
@@ -592,7 +591,8 @@ def serves(queries: mx.array, stored) -> bool:
 def partials(
     queries: mx.array,
     stored,
-    args: mx.array,
+    params: mx.array,
+    scale: mx.array,
     *,
     warps: int = WARPS,
     blocks: int | None = None,
@@ -603,7 +603,7 @@ def partials(
     splits: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
-    slots, ``args`` from ``attention.call_args``; ``splits`` forces the split count (tests), else ``num_splits`` for at most
+    slots; ``splits`` forces the split count (tests), else ``num_splits`` for at most
     ``per_sm`` threadgroups per multiprocessor (default: as many as fit)."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = stored.key_codes.shape[1]
@@ -624,7 +624,7 @@ def partials(
     return partials_kernel(shared)(
         inputs=[
             queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
-            stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, args,
+            stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, params, scale,
         ],
         template=[
             ("T", queries.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits), ("HEADS", launch.heads),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, by_value
+from butter_core.kernels import Kernel
 
 from butter_aura.kernels.source import HELPERS
 from butter_aura.stored import StoredLayer
@@ -19,19 +19,19 @@ _DEQUANTIZE = Kernel(
     name="butter_aura_dequantize",
     input_names=(
         "key_codes", "key_scales", "value_codes", "value_scales", "key_levels", "value_levels",
-        "fp_keys", "fp_values", "recent_slots", "signs", "args",
+        "fp_keys", "fp_values", "recent_slots", "signs", "params",
     ),
     output_names=("keys", "values"),
     helpers=HELPERS,
     body="""
   // Template: T (output dtype), S (scale dtype), F (full-precision row dtype), D, KB/VB,
   // KG/VG. Grid: x = length * D (one block per slot), y = batch * kv_heads.
-  // args (by value, butter_core.kernels.by_value): length, sinks, ring.
+  // params: [length, sinks, ring].
   constexpr int KW = (D * KB + 31) / 32;
   constexpr int VW = (D * VB + 31) / 32;
-  const int length = args_shape[0];
-  const int sinks = args_shape[1];
-  const int ring = args_shape[2];
+  const int length = params[0];
+  const int sinks = params[1];
+  const int ring = params[2];
   const int heads = key_codes_shape[1];
   const int allocated = key_codes_shape[2];
   const int rows_fp = fp_keys_shape[2];
@@ -93,11 +93,11 @@ def dequantize(stored: StoredLayer, dtype: mx.Dtype) -> tuple[mx.array, mx.array
     if stored.rotation.permutation is not None:
         raise ValueError(f"the dequantize kernel serves power-of-two head sizes; got {dims}")
     kc, vc = stored.key_codec, stored.value_codec
+    params = mx.array([length, stored.sinks, stored.ring], dtype=mx.int32)
     keys, values = _DEQUANTIZE(
         inputs=[
             stored.key_codes, stored.key_scales, stored.value_codes, stored.value_scales, kc.book.levels_array(),
-            vc.book.levels_array(), stored.fp_keys, stored.fp_values, stored.recent_slots, stored.rotation.signs,
-            by_value(length, stored.sinks, stored.ring),
+            vc.book.levels_array(), stored.fp_keys, stored.fp_values, stored.recent_slots, stored.rotation.signs, params,
         ],
         template=[
             ("T", dtype), ("S", stored.key_scales.dtype), ("F", stored.fp_keys.dtype), ("D", dims),

@@ -6,18 +6,17 @@
   bit for bit alike.
 * ``aura_group_sum``: a sum over aligned groups of threads whose size is only known at
   run time (a scale group may span several warps).
-* ``AuraSlotParams`` and ``aura_coded``: the partials kernels' slot parameters (live,
-  sinks, ring, recent_lo, recent_hi; passed by value, ``attention.call_args``) and
-  whether a slot is read from its codes.
+* ``AuraSlotParams``, ``aura_slot_params`` and ``aura_coded``: the partials kernels'
+  ``params`` input (``[live, sinks, ring, recent_lo, recent_hi]``, built by
+  ``attention.decode_attention``) and whether a slot is read from its codes.
 
 The two shared-memory helpers contain barriers: every thread of the threadgroup must
 call them.
 """
 
 HELPERS = """
-// The partials kernels' slot parameters (`args`, by value: `attention.call_args`): live
-// slots; slots [0, sinks) held in full precision; rows of the recent ring; the smallest
-// and largest slot the ring holds (lo > hi: none).
+// The partials kernels' `params`: live slots; slots [0, sinks) held in full precision;
+// rows of the recent ring; the smallest and largest slot the ring holds (lo > hi: none).
 struct AuraSlotParams {
   int live;
   int sinks;
@@ -25,6 +24,9 @@ struct AuraSlotParams {
   int recent_lo;
   int recent_hi;
 };
+BT_FUNC AuraSlotParams aura_slot_params(const BT_GLOBAL int* params) {
+  return AuraSlotParams{params[0], params[1], params[2], params[3], params[4]};
+}
 
 // Whether slot `key` is read from its codes: below `end`, not a sink, not held in full
 // precision by the recent ring (looked up only within the ring's slot range).
