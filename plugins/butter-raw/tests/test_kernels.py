@@ -56,9 +56,12 @@ def test_check_cases_are_valid_reference_inputs(check, case):
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (8, 2), (12, 2), (32, 8)])
 @pytest.mark.parametrize(("length", "allocated"), [(1, 8), (37, 64), (200, 256), (256, 256)])
 def test_attention_reference_matches_numpy(dtype, q_heads, kv_heads, length, allocated):
+    """On the CPU stream, as ``KernelCheck`` runs references: a GPU's float32 matmuls need
+    not be exact to 1e-5 (on the H200 the float32 cases failed at 3.5e-4)."""
     inputs = make_attention_inputs(3, q_heads=q_heads, kv_heads=kv_heads, head_dim=64,
                                    allocated=allocated, length=length, dtype=dtype)
-    out = sdpa_decode_reference(**inputs)
+    with mx.stream(mx.cpu):
+        out = sdpa_decode_reference(**inputs)
     assert out.shape == inputs["queries"].shape and out.dtype == dtype
     expected = mx.array(numpy_attention(**inputs).astype(np.float32))
     assert relative_error(out, expected) <= DEFAULT_RTOL[dtype]
@@ -66,7 +69,8 @@ def test_attention_reference_matches_numpy(dtype, q_heads, kv_heads, length, all
 
 def test_attention_reference_batches_independently():
     inputs = make_attention_inputs(5, batch=2, length=40, allocated=48, dtype=mx.float32)
-    out = sdpa_decode_reference(**inputs)
+    with mx.stream(mx.cpu):
+        out = sdpa_decode_reference(**inputs)
     expected = mx.array(numpy_attention(**inputs).astype(np.float32))
     assert relative_error(out, expected) <= DEFAULT_RTOL[mx.float32]
 
