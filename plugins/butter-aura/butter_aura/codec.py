@@ -77,6 +77,21 @@ class Codec:
         """``encode`` with the two look-ups supplied: ``find_codes(t)``, the nearest level's
         code of each normalized coordinate (uint32), and ``levels_of(codes)``, their levels
         (float32). The CPU path (``butter_aura.cpu``) passes compiled versions."""
+        codes, scales = self.codes_and_scales(rotated, find_codes, levels_of)
+        return packing.pack(codes, self.bits), scales
+
+    def codes_and_scales(
+        self,
+        rotated: mx.array,
+        find_codes: Callable[[mx.array], mx.array],
+        levels_of: Callable[[mx.array], mx.array],
+    ) -> tuple[mx.array, mx.array]:
+        """``encode_with`` before packing: the codes (uint32 ``[..., head_dim]``) and scales.
+
+        Only the scale groups' shape comes from this codec: given look-ups that code each
+        of a leading axis's entries with its own codebook, one call codes keys and values
+        stacked (``butter_aura.cpu``'s one-token encode).
+        """
         lead = rotated.shape[:-1]
         y = rotated.astype(mx.float32).reshape(*lead, self.groups, self.group)
         rms = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True))
@@ -85,7 +100,7 @@ class Codec:
         chosen = levels_of(index)
         scale = mx.sum(y * chosen, axis=-1) / mx.maximum(mx.sum(chosen * chosen, axis=-1), 1e-30)
         scale = mx.clip(scale, -_FLOAT16_MAX, _FLOAT16_MAX).astype(SCALE_DTYPE)
-        return packing.pack(index.reshape(*lead, self.head_dim), self.bits), scale
+        return index.reshape(*lead, self.head_dim), scale
 
     def decode(self, codes: mx.array, scales: mx.array) -> mx.array:
         """Rotated vectors ``[..., head_dim]`` (float32) that ``codes`` and ``scales`` encode."""

@@ -76,6 +76,22 @@ def test_encode_codes_as_the_reference(kind, head_dim, tokens):
     assert_same_coding(value_codec, rotation.apply(values), got[2:], expected[2:])
 
 
+@pytest.mark.parametrize(
+    ("key_codec", "value_codec", "kv_heads"),
+    [(Codec(4, 16, 64), Codec(2, 64, 64), 3), (Codec(8, 128, 128), Codec(8, 128, 128), 32)],
+    ids=["scale-groups-differ", "many-comparisons"],
+)
+def test_one_token_encode_outside_the_joint_path_codes_as_the_reference(key_codec, value_codec, kv_heads):
+    """Keys and values coded apart: different scale groups, or too many stacked comparisons."""
+    head_dim = key_codec.head_dim
+    rotation = Rotation(9, kv_heads, head_dim)
+    keys, values = normal((1, kv_heads, 1, head_dim), 5) * 2, normal((1, kv_heads, 1, head_dim), 6)
+    got = cpu.encode(keys, values, rotation, key_codec, value_codec)
+    expected = reference.encode(keys, values, rotation, key_codec, value_codec)
+    assert_same_coding(key_codec, rotation.apply(keys), got[:2], expected[:2])
+    assert_same_coding(value_codec, rotation.apply(values), got[2:], expected[2:])
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_encode_takes_16_bit_rows(dtype):
     rotation = Rotation(5, 2, 64)
