@@ -242,6 +242,18 @@ def time_quantized_matmul(length: int) -> dict:
     return {"us": us, "bytes": nbytes, "tbps": nbytes / us / 1e6, "copies": len(copies)}
 
 
+def independent_raw(raw: list[tuple[mx.array, mx.array, mx.array]]) -> Callable[[], list[mx.array]]:
+    """``CALLS`` independent raw SDPA calls, each on the next of ``raw_copies``."""
+    scale = HEAD_DIM**-0.5
+    return lambda: [mx.fast.scaled_dot_product_attention(*raw[i % len(raw)], scale=scale) for i in range(CALLS)]
+
+
+def independent_aura(copies: list[dict], **tunables) -> Callable[[], list[mx.array]]:
+    """``CALLS`` independent decode calls through the tensor-core kernel."""
+    return lambda: [attention.decode_attention(**copies[i % len(copies)], method="mma", **tunables)
+                    for i in range(CALLS)]
+
+
 SIDE_BY_SIDE_ROUNDS = 9
 
 
@@ -249,14 +261,9 @@ def run_side_by_side(length: int = 131072) -> dict[str, dict]:
     """The goal's ratio as it must be quoted: raw SDPA, aura4v2 and aura4v4 (tensor-core
     partials) timed in turn for ``SIDE_BY_SIDE_ROUNDS`` rounds, each round's time divided
     by raw's in that round (``gpu_timing.side_by_side``)."""
-    raw = raw_copies(length)
-    scale = HEAD_DIM**-0.5
-    builds = {"raw sdpa": lambda: [mx.fast.scaled_dot_product_attention(*raw[i % len(raw)], scale=scale)
-                                   for i in range(CALLS)]}
+    builds = {"raw sdpa": independent_raw(raw_copies(length))}
     for name in ("aura4v2", "aura4v4"):
-        copies = aura_copies(name, length)
-        builds[f"{name} mma"] = lambda copies=copies: [attention.decode_attention(**copies[i % len(copies)], method="mma")
-                                                       for i in range(CALLS)]
+        builds[f"{name} mma"] = independent_aura(aura_copies(name, length))
     rows = side_by_side(builds, rounds=SIDE_BY_SIDE_ROUNDS)
     print_side_by_side(rows, f"side by side {length // 1024}k")
     return rows
@@ -343,11 +350,7 @@ def run_min_keys() -> list[dict]:
     rows = []
     for length in CONTEXTS:
         copies = aura_copies("aura4v2", length)
-        builds = {
-            keys: (lambda keys=keys: [attention.decode_attention(**copies[i % len(copies)], method="mma", min_keys=keys)
-                                      for i in range(CALLS)])
-            for keys in MIN_KEYS
-        }
+        builds = {keys: independent_aura(copies, min_keys=keys) for keys in MIN_KEYS}
         for keys, row in side_by_side(builds, rounds=3).items():
             rows.append({"context": length, "min_keys": keys, "us": row["median_us"],
                          "vs_first": row.get("median_ratio", 1.0)})
@@ -355,12 +358,6 @@ def run_min_keys() -> list[dict]:
                   f"(x{row.get('median_ratio', 1.0):.3f} of min_keys {MIN_KEYS[0]})", flush=True)
         mx.clear_cache()
     return rows
-
-
-def independent_aura(copies: list[dict], **tunables) -> Callable[[], list[mx.array]]:
-    """``CALLS`` independent decode calls through the tensor-core kernel."""
-    return lambda: [attention.decode_attention(**copies[i % len(copies)], method="mma", **tunables)
-                    for i in range(CALLS)]
 
 
 def chained_aura(copies: list[dict], **tunables) -> Callable[[], list[mx.array]]:
@@ -391,8 +388,7 @@ def run_ahead(length: int = 131072) -> dict:
         return [x]
 
     copies = aura_copies("aura4v2", length)
-    independent = {"raw sdpa": lambda: [mx.fast.scaled_dot_product_attention(*raw[i % len(raw)], scale=scale)
-                                        for i in range(CALLS)]}
+    independent = {"raw sdpa": independent_raw(raw)}
     chained = {"raw sdpa": raw_chained}
     for label, tunables in AHEAD_VARIANTS.items():
         independent[f"aura4v2 {label}"] = independent_aura(copies, **tunables)

@@ -40,7 +40,6 @@ def stack(rows: dict[str, mx.array]) -> dict[str, mx.array]:
     return {name: mx.stack([rows[member] for member in members]) for name, members in STACKS.items()}
 
 
-
 @attrs.frozen
 class PackedFormat:
     """Sizes of one packed row for ``bits`` per code, groups of ``group_size``, ``head_dim`` values."""

@@ -612,7 +612,9 @@ def partials(
     shared = shared_bytes(warps, heads, dims)
     blocks_per_split = batch * q_heads // heads
     if splits is None:
-        resident = blocks_per_sm(shared, warps) if per_sm is None else min(per_sm, blocks_per_sm(shared, warps))
+        resident = blocks_per_sm(shared, warps)
+        if per_sm is not None:
+            resident = min(per_sm, resident)
         splits = num_splits(stored.length, blocks_per_split, SMS * resident, min_keys)
     if blocks is None:
         blocks = default_blocks(kc.bits, vc.bits, dims)
