@@ -2,7 +2,10 @@
 
 - ``backend``: which GPU backend this process has.
 - ``dialect``: the vocabulary kernel bodies are written in, per backend.
-- ``kernel``: ``Kernel``, a lazily built custom kernel, and output poisoning.
+- ``kernel``: ``Kernel``, a lazily built custom kernel; output poisoning; ``recorded_builds``,
+  which records what kernels would build for a backend instead of running them.
+- ``metal_check``: kernels' Metal sources checked by clang's front end where no Metal
+  compiler runs (needs libclang).
 - ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
 - ``split_k``: the split-K (flash-decoding) helpers, launch plan and merge kernel that
   every fused single-query attention kernel shares.
@@ -12,11 +15,12 @@
 
 from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend
 from butter_core.kernels.checks import CheckResult, KernelCheck, relative_error
-from butter_core.kernels.kernel import Kernel, KernelUnavailableError, poisoned_outputs
+from butter_core.kernels.kernel import Build, Kernel, KernelUnavailableError, poisoned_outputs, recorded_builds
 from butter_core.kernels import mma, split_k
 
 __all__ = [
     "Backend",
+    "Build",
     "CheckResult",
     "Kernel",
     "KernelCheck",
@@ -25,6 +29,7 @@ __all__ = [
     "gpu_backend",
     "mma",
     "poisoned_outputs",
+    "recorded_builds",
     "relative_error",
     "split_k",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from butter_core.kernels.backend import BACKENDS, Backend
 from butter_core.kernels.kernel import poisoned_outputs
 
 Inputs = dict[str, Any]
@@ -56,7 +57,9 @@ class KernelCheck:
     ``kernel`` and ``reference`` take the same keyword arguments, which
     ``make_inputs(seed, **sizes)`` returns as a dict; ``cases`` are the size sets a
     conformance run covers (each may hold a ``dtype``). ``rtol`` bounds the relative
-    error per output dtype.
+    error per output dtype. ``backends`` are those the kernel is built for (e.g. only
+    ``{"cuda"}`` for a kernel that needs dynamic shared memory); elsewhere its check is
+    skipped.
     """
 
     name: str
@@ -65,6 +68,7 @@ class KernelCheck:
     make_inputs: Callable[..., Inputs]
     cases: tuple[Mapping[str, Any], ...]
     rtol: Mapping[mx.Dtype, float] = DEFAULT_RTOL
+    backends: frozenset[Backend] = BACKENDS
 
     def run_kernel(self, inputs: Inputs) -> mx.array:
         """The kernel's output for ``inputs``, evaluated, with poisoned outputs."""

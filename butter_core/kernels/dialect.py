@@ -14,7 +14,8 @@ Macros:
     BT_SHARED_PTR      address space of a pointer to shared memory in helper signatures
                        (``BT_SHARED_PTR float* buf``: Metal's ``threadgroup``, nothing on CUDA)
     BT_BARRIER         threadgroup barrier with shared-memory ordering
-    BT_GLOBAL          address space of input/output pointers in helper signatures
+    BT_GLOBAL          address space of output pointers in helper signatures (for input
+                       pointers see "Inputs' address space" below)
     BT_PRIVATE         address space of a thread's own arrays in helper signatures
     BT_FUNC            qualifier of a helper function in a header
     BT_NEG_INF         -infinity as a float
@@ -27,11 +28,14 @@ Functions:
     bt_shuffle_xor(v, mask)               butterfly exchange within a warp
     bt_group_sum<W>(v), bt_group_max<W>(v)   reduce over aligned groups of W lanes
     bt_warp_sum(v), bt_warp_max(v)        reduce over the whole warp
-    bt_read(p)                            ``*p`` for a device pointer to an input the kernel
+    bt_read(p)                            ``*p`` for a pointer to an input the kernel
                                           never writes, through the read-only data path
                                           (CUDA: ``__ldg``; Metal: a plain load)
     bt_read_if<RO>(p)                     ``bt_read(p)`` when ``RO``, else a plain ``*p`` (for
                                           kernels that make the read-only path a tunable)
+    bt_reinterpret<V>(p)                  ``p``, a pointer to an input, as a pointer to ``V``
+                                          in the same address space (e.g. ``uint4`` for
+                                          16-byte loads)
     bt_load<N>(src, dst)                  N consecutive values from global memory into
                                           a float array (16-byte vector loads on CUDA;
                                           src must then be 16-byte aligned)
@@ -69,6 +73,15 @@ the first, lower-index element, as CUDA's ``__half2`` and Metal's ``half2`` do.
                                           lane), written to be correct, never compiled or
                                           run here (no Apple GPU): a Metal kernel that wants
                                           speed should use ``simdgroup_matrix`` instead.
+
+Inputs' address space. On Metal an input of fewer than 8 elements arrives in the
+``constant`` address space, any other in ``device`` (below), and the two do not convert:
+so a kernel never names an input's address space. A helper that takes a pointer to an
+input deduces its type (``template <typename In> BT_FUNC float f(In p)``) and a local
+pointer into an input is declared ``auto`` (``const auto row = codes + i * W;``). Every
+tiny input is then handled alike: a 2-element parameter array, an empty ring of slots,
+a cache of one short row. ``butter_core.kernels.metal_check`` checks this, among other
+things, where no Metal compiler is at hand.
 
 What MLX generates (read from MLX's custom-kernel sources, mlx 0.32):
 - Metal: ``template <typename T, int D, ...> [[kernel]] void custom_kernel_<name>_<hash>(
@@ -142,10 +155,18 @@ BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return simd_shuffle_xor(v, static_cast<ushort>(mask));
 }
 template <typename T> BT_FUNC T bt_read(const device T* p) { return *p; }
+template <typename T> BT_FUNC T bt_read(const constant T* p) { return *p; }
 template <bool RO, typename T> BT_FUNC T bt_read_if(const device T* p) { return *p; }
+template <bool RO, typename T> BT_FUNC T bt_read_if(const constant T* p) { return *p; }
+template <typename V, typename T> BT_FUNC const device V* bt_reinterpret(const device T* p) {
+  return reinterpret_cast<const device V*>(p);
+}
+template <typename V, typename T> BT_FUNC const constant V* bt_reinterpret(const constant T* p) {
+  return reinterpret_cast<const constant V*>(p);
+}
 
-template <int N, typename T>
-BT_FUNC void bt_load(const BT_GLOBAL T* src, BT_PRIVATE float* dst) {
+template <int N, typename In>
+BT_FUNC void bt_load(In src, BT_PRIVATE float* dst) {
   for (int i = 0; i < N; ++i) {
     dst[i] = bt_to_float(src[i]);
   }
@@ -182,6 +203,9 @@ BT_FUNC float bt_shuffle_xor(float v, int mask) {
 }
 template <typename T> BT_FUNC T bt_read(const T* p) { return __ldg(p); }
 template <bool RO, typename T> BT_FUNC T bt_read_if(const T* p) { return RO ? __ldg(p) : *p; }
+template <typename V, typename T> BT_FUNC const V* bt_reinterpret(const T* p) {
+  return reinterpret_cast<const V*>(p);
+}
 
 template <int N, typename T>
 BT_FUNC void bt_load(const T* src, float* dst) {

@@ -7,14 +7,16 @@ import contextvars
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import mlx.core as mx
 
-from butter_core.kernels.backend import Backend, gpu_backend
+from butter_core.kernels.backend import _STANDING_IN, Backend, gpu_backend
 from butter_core.kernels.dialect import kernel_header, kernel_source
 
 TemplateArg = tuple[str, "bool | int | mx.Dtype"]
 
 _POISON = contextvars.ContextVar("butter_poison_outputs", default=False)
+_RECORDED: contextvars.ContextVar[list[Build] | None] = contextvars.ContextVar("butter_recorded_builds", default=None)
 
 # MLX caches compiled CUDA kernels by name (and template values) for the whole
 # process, so two different sources under one name would silently share a binary.
@@ -36,6 +38,36 @@ def poisoned_outputs() -> Iterator[None]:
         yield
     finally:
         _POISON.reset(token)
+
+
+@attrs.frozen
+class Build:
+    """What one call of a kernel has MLX compile: the kernel, the backend, the template
+    values and the inputs' dtypes and shapes (on Metal an input of fewer than 8 elements
+    is passed in the ``constant`` address space, so its size shapes the source)."""
+
+    kernel: Kernel
+    backend: Backend
+    template: tuple[TemplateArg, ...]
+    input_dtypes: tuple[mx.Dtype, ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_dtypes: tuple[mx.Dtype, ...]
+
+
+@contextlib.contextmanager
+def recorded_builds(backend: Backend) -> Iterator[list[Build]]:
+    """Within this block ``gpu_backend()`` answers ``backend`` and kernel calls run nothing:
+    each appends its ``Build`` to the list yielded and returns zero-filled outputs, so the
+    code around a kernel goes on as it would there. For checking a backend's sources on a
+    machine without it (``butter_core.kernels.metal_check``)."""
+    builds: list[Build] = []
+    backend_token = _STANDING_IN.set(backend)
+    recorded_token = _RECORDED.set(builds)
+    try:
+        yield builds
+    finally:
+        _RECORDED.reset(recorded_token)
+        _STANDING_IN.reset(backend_token)
 
 
 class Kernel:
@@ -120,6 +152,18 @@ class Kernel:
     ) -> list[mx.array]:
         """Run on the GPU stream, as MLX's custom kernels run: ``grid`` counts threads
         (not threadgroups) along each axis; outputs are fresh arrays."""
+        recorded = _RECORDED.get()
+        if recorded is not None:
+            self._check_available()
+            recorded.append(Build(
+                kernel=self,
+                backend=gpu_backend(),
+                template=tuple(template),
+                input_dtypes=tuple(x.dtype for x in inputs),
+                input_shapes=tuple(tuple(x.shape) for x in inputs),
+                output_dtypes=tuple(output_dtypes),
+            ))
+            return [mx.zeros(tuple(shape), dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         if init_value is None and _POISON.get():
             init_value = float("nan")
         return self._build()(
@@ -134,10 +178,13 @@ class Kernel:
             stream=mx.gpu,
         )
 
-    def _build(self) -> Any:
+    def _check_available(self) -> None:
         reason = self.unavailable_reason()
         if reason is not None:
             raise KernelUnavailableError(reason)
+
+    def _build(self) -> Any:
+        self._check_available()
         backend = gpu_backend()
         assert backend is not None
         if backend not in self._built:

@@ -44,7 +44,7 @@ heads ``8 nh + 2q`` and ``8 nh + 2q + 1`` are the lane's two *state heads*):
 ``MMA_SPLIT_K_HELPERS`` (kernel-header source, dialect only; needs ``Kernel(...,
 mma=True)`` and ``split_k.SPLIT_K_HELPERS`` before it):
 
-- ``mma_query_fragments<Perm, NH, D, T>(queries, heads, q_scale, lane, qb)``: Qᵀ's B
+- ``mma_query_fragments<Perm, NH, D>(queries, heads, q_scale, lane, qb)``: Qᵀ's B
   fragments ``qb[(nh * D/16 + j) * 2 + i]`` from ``heads`` query rows at ``queries``
   (row-major, D each), times ``q_scale``, in float16; heads past ``heads`` are zero.
 - ``mma_softmax<NH, KB, DT>(s, m, l, o, pb, lane)``: one online-softmax step over ``KB``
@@ -68,8 +68,8 @@ from __future__ import annotations
 
 MMA_SPLIT_K_HELPERS = r"""
 // ---- tensor-core split-K decode attention, butter_core.kernels.mma ----------------
-template <typename Perm, int NH, int D, typename T>
-BT_FUNC void mma_query_fragments(const BT_GLOBAL T* queries, int heads, float q_scale, unsigned int lane,
+template <typename Perm, int NH, int D, typename In>
+BT_FUNC void mma_query_fragments(In queries, int heads, float q_scale, unsigned int lane,
                                  BT_PRIVATE uint32_t* qb) {
   constexpr int CHUNK = D / 4;
   constexpr int STEPS = D / 16;

@@ -180,7 +180,8 @@ MERGE_HELPERS = r"""
 // ---- merging split partials, butter_core.kernels.split_k ---------------------------
 // The largest running max among the n_splits partials of one (batch, query head), and
 // at least floor (a merge that folds in other states passes their max).
-BT_FUNC float splitk_partials_max(const BT_GLOBAL float* partial_max, int64_t head, int n_splits, float floor) {
+template <typename In>
+BT_FUNC float splitk_partials_max(In partial_max, int64_t head, int n_splits, float floor) {
   float m_all = floor;
   for (int s = 0; s < n_splits; ++s) {
     const float ms = partial_max[head * n_splits + s];
@@ -191,9 +192,9 @@ BT_FUNC float splitk_partials_max(const BT_GLOBAL float* partial_max, int64_t he
 
 // The splits' accumulators of dimension d rescaled to m_all and summed; their rescaled
 // sums are added to *l_all. A split that saw no key (max -inf) contributes nothing.
+template <typename Acc, typename Max, typename Sum>
 BT_FUNC float splitk_partials_sum(
-    const BT_GLOBAL float* partial_acc, const BT_GLOBAL float* partial_max, const BT_GLOBAL float* partial_sum,
-    int64_t head, int n_splits, int dims, int d, float m_all, BT_PRIVATE float* l_all) {
+    Acc partial_acc, Max partial_max, Sum partial_sum, int64_t head, int n_splits, int dims, int d, float m_all, BT_PRIVATE float* l_all) {
   float a = 0.0f;
   for (int s = 0; s < n_splits; ++s) {
     const int64_t part = head * n_splits + s;

@@ -60,10 +60,10 @@ template <int BITS> BT_FUNC constexpr float affine_weight(int i) {
   return 1.0f / static_cast<float>(1u << affine_shift<BITS>(i));
 }
 
-template <int WORDS, bool READ_ONLY = false>
-BT_FUNC void affine_load_words(const BT_GLOBAL uint32_t* src, BT_PRIVATE uint32_t* dst) {
+template <int WORDS, bool READ_ONLY = false, typename In>
+BT_FUNC void affine_load_words(In src, BT_PRIVATE uint32_t* dst) {
   if (WORDS % 4 == 0) {
-    const BT_GLOBAL uint4* vectors = reinterpret_cast<const BT_GLOBAL uint4*>(src);
+    const auto vectors = bt_reinterpret<uint4>(src);
 #pragma unroll
     for (int c = 0; c < WORDS / 4; ++c) {
       const uint4 v = bt_read_if<READ_ONLY>(vectors + c);
@@ -73,7 +73,7 @@ BT_FUNC void affine_load_words(const BT_GLOBAL uint32_t* src, BT_PRIVATE uint32_
       dst[4 * c + 3] = v.w;
     }
   } else if (WORDS % 2 == 0) {
-    const BT_GLOBAL uint2* vectors = reinterpret_cast<const BT_GLOBAL uint2*>(src);
+    const auto vectors = bt_reinterpret<uint2>(src);
 #pragma unroll
     for (int c = 0; c < WORDS / 2; ++c) {
       const uint2 v = bt_read_if<READ_ONLY>(vectors + c);

@@ -62,10 +62,9 @@ _PARTIALS = Kernel(
     helpers=CODE_HELPERS + split_k.SPLIT_K_HELPERS + r"""
 // Lane slice of TILE keys (key first + t * stride, its row clamped to last when past
 // it): code words and its group's scale and bias, of K and of V.
-template <int TILE, int WORDS, int ROW_WORDS, int GROUPS, typename S>
+template <int TILE, int WORDS, int ROW_WORDS, int GROUPS, typename Codes, typename Scales>
 BT_FUNC void affine_fetch_tile(
-    const BT_GLOBAL uint32_t* k_codes, const BT_GLOBAL S* k_scales, const BT_GLOBAL S* k_biases,
-    const BT_GLOBAL uint32_t* v_codes, const BT_GLOBAL S* v_scales, const BT_GLOBAL S* v_biases,
+    Codes k_codes, Scales k_scales, Scales k_biases, Codes v_codes, Scales v_scales, Scales v_biases,
     int first, int stride, int last,
     BT_PRIVATE uint32_t* kw, BT_PRIVATE float* ks, BT_PRIVATE float* kb,
     BT_PRIVATE uint32_t* vw, BT_PRIVATE float* vs, BT_PRIVATE float* vb) {
@@ -140,7 +139,7 @@ BT_FUNC void affine_fetch_tile(
   // shuffles.
   int base = start + static_cast<int>(warp_id) * KEYS_PER_WARP * TILE;
   if (PREFETCH) {
-    affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS, S>(
+    affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS>(
         key_codes + code_offset, key_scales + group_offset, key_biases + group_offset,
         value_codes + code_offset, value_scales + group_offset, value_biases + group_offset,
         base + slot, KEYS_PER_WARP, end - 1, next_kw, next_ks, next_kb, next_vw, next_vs, next_vb);
@@ -160,7 +159,7 @@ BT_FUNC void affine_fetch_tile(
         vb[t] = next_vb[t];
       }
     }
-    affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS, S>(
+    affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS>(
         key_codes + code_offset, key_scales + group_offset, key_biases + group_offset,
         value_codes + code_offset, value_scales + group_offset, value_biases + group_offset,
         (PREFETCH ? base + KEYS_PER_STEP : base) + slot, KEYS_PER_WARP, end - 1,

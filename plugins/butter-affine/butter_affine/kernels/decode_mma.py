@@ -112,9 +112,9 @@ _PARTIALS = Kernel(
 // (v % 2) + 8 (v / 2) (v < 4), VW words from word g VW, one group. CLAMP: rows past last
 // read row last instead (only the last step of a split needs it), so every value read is
 // a live one; without, row offsets are constants the loads take as immediates.
-template <bool CLAMP, bool RO, int KB, int KW, int KG, int ROW_WORDS, int GROUPS, typename S>
+template <bool CLAMP, bool RO, int KB, int KW, int KG, int ROW_WORDS, int GROUPS, typename S, typename Codes, typename Scales>
 BT_FUNC void affine_mma_fetch_keys(
-    const BT_GLOBAL uint32_t* codes, const BT_GLOBAL S* scales, const BT_GLOBAL S* biases,
+    Codes codes, Scales scales, Scales biases,
     int base, int last, int g, BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
   const int64_t first = base + g;
 #pragma unroll
@@ -130,9 +130,9 @@ BT_FUNC void affine_mma_fetch_keys(
   }
 }
 
-template <bool CLAMP, bool RO, int KB, int VW, int ROW_WORDS, int GROUPS, typename S>
+template <bool CLAMP, bool RO, int KB, int VW, int ROW_WORDS, int GROUPS, typename S, typename Codes, typename Scales>
 BT_FUNC void affine_mma_fetch_values(
-    const BT_GLOBAL uint32_t* codes, const BT_GLOBAL S* scales, const BT_GLOBAL S* biases,
+    Codes codes, Scales scales, Scales biases,
     int base, int last, int q, BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
   const int64_t first = base + 2 * q;
 #pragma unroll
@@ -174,7 +174,7 @@ BT_FUNC void affine_mma_fetch_values(
   const int64_t v_groups = first_row * GROUPS + (g * VCHUNK) / GROUP;
 
   uint32_t qb[NH * STEPS * 2];
-  mma_query_fragments<AffineKPerm<BITS>, NH, D, T>(
+  mma_query_fragments<AffineKPerm<BITS>, NH, D>(
       queries + static_cast<int64_t>(block.first_q_head) * D, HEADS, scale[0] * 1.4426950408889634f, lane_id, qb);
 
   float m[NH * 2];
@@ -253,7 +253,7 @@ BT_FUNC void affine_mma_fetch_values(
           const uint32_t a[4] = {upper[2 * h], lower[2 * h], upper[2 * h + 1], lower[2 * h + 1]};
 #pragma unroll
           for (int nh = 0; nh < NH; ++nh) {
-            float* sums = SCORE_CHAINS == 2 && step % 2 ? s_odd + nh * 4 : s + (b * NH + nh) * 4;
+            BT_PRIVATE float* sums = SCORE_CHAINS == 2 && step % 2 ? s_odd + nh * 4 : s + (b * NH + nh) * 4;
             bt_mma_16x8x16(sums, a, qb + (nh * STEPS + step) * 2, lane_id);
           }
         }

@@ -30,8 +30,6 @@ Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 
 from butter_core.kernels import Kernel, gpu_backend, split_k
@@ -120,7 +118,7 @@ _PARTIALS = Kernel(
       const int key = base + t * KEYS_PER_WARP + slot;
       valid[t] = aura_coded(slot_params, recent_slots, key, block.end);
       row[t] = rows + (key < block.end ? key : base);
-      const BT_GLOBAL unsigned int* words = key_codes + row[t] * KW;
+      const auto words = key_codes + row[t] * KW;
       float partial[HEADS];
       for (int h = 0; h < HEADS; ++h) {
         partial[h] = 0.0f;
@@ -160,7 +158,7 @@ _PARTIALS = Kernel(
     }
     // Values in the rotated domain: acc += p * value_scale * level.
     for (int t = 0; t < TILE; ++t) {
-      const BT_GLOBAL unsigned int* words = value_codes + row[t] * VW;
+      const auto words = value_codes + row[t] * VW;
       float w[HEADS];
       for (int h = 0; h < HEADS; ++h) {
         w[h] = p[t * HEADS + h] * v_scale[t];
@@ -251,12 +249,6 @@ _MERGE = Kernel(
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
-@functools.cache
-def _on_cuda() -> bool:
-    """Whether the kernels run on CUDA (asked once: a decode step calls this per layer)."""
-    return gpu_backend() == "cuda"
-
-
 def decode_attention(
     queries: mx.array,
     stored: StoredLayer,
@@ -281,7 +273,7 @@ def decode_attention(
     if dims not in SUPPORTED_HEAD_DIMS or stored.rotation.permutation is not None:
         raise ValueError(f"the attention kernels serve head_dim {SUPPORTED_HEAD_DIMS}; got {dims}")
     if method is None:
-        method = "mma" if _on_cuda() and attention_mma.serves(queries, stored) else "simt"
+        method = "mma" if gpu_backend() == "cuda" and attention_mma.serves(queries, stored) else "simt"
     lo, hi = stored.recent_range()
     params = mx.array([length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
     scale_array = mx.array([scale], dtype=mx.float32)

@@ -284,7 +284,7 @@ _BODY = """
   const float q_scale = scale[0] * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
   uint32_t qb[KSTEPS * 2];
   // (q_rot and the tables are complete here: aura_fwht_shared ends with a barrier.)
-  mma_query_fragments<AuraKeyPerm, 1, D, float>(q_rot, HEADS, q_scale, lane_id, qb);
+  mma_query_fragments<AuraKeyPerm, 1, D>(q_rot, HEADS, q_scale, lane_id, qb);
 
   // Online-softmax state of heads 2t and 2t+1 (the same in the 8 lanes of a t).
   const bool heads_here = 2 * t < HEADS;

@@ -64,7 +64,7 @@ _BODY = """
     const int group = pass == 0 ? KG : VG;
     const int table = pass == 0 ? 0 : (1 << KB);
     const int n_words = pass == 0 ? KW : VW;
-    const BT_GLOBAL T* src = pass == 0 ? keys : values;
+    const auto src = pass == 0 ? keys : values;  // one shape, so one address space
 
     BT_BARRIER;  // the previous pass has finished with buf and indices
     buf[d] = bt_to_float(src[row * D + d]) * sign;

@@ -24,13 +24,15 @@ struct AuraSlotParams {
   int recent_lo;
   int recent_hi;
 };
-BT_FUNC AuraSlotParams aura_slot_params(const BT_GLOBAL int* params) {
+template <typename In>
+BT_FUNC AuraSlotParams aura_slot_params(In params) {
   return AuraSlotParams{params[0], params[1], params[2], params[3], params[4]};
 }
 
 // Whether slot `key` is read from its codes: below `end`, not a sink, not held in full
 // precision by the recent ring (looked up only within the ring's slot range).
-BT_FUNC bool aura_coded(AuraSlotParams sp, const BT_GLOBAL int* recent_slots, int key, int end) {
+template <typename In>
+BT_FUNC bool aura_coded(AuraSlotParams sp, In recent_slots, int key, int end) {
   if (key >= end || key < sp.sinks) {
     return false;
   }
@@ -40,7 +42,8 @@ BT_FUNC bool aura_coded(AuraSlotParams sp, const BT_GLOBAL int* recent_slots, in
   return true;
 }
 
-BT_FUNC unsigned int aura_code(const BT_GLOBAL unsigned int* words, int j, int bits) {
+template <typename In>
+BT_FUNC unsigned int aura_code(In words, int j, int bits) {
   // Code j of a little-endian stream of bits-bit codes; it straddles two words only
   // when bits does not divide 32.
   const int bit = j * bits;
