@@ -15,6 +15,7 @@ from butter_core.kernels import (
     default_device_is_gpu,
     gpu_backend,
     mma,
+    recorded_builds,
     relative_error,
     split_k,
 )
@@ -123,11 +124,17 @@ def test_mma_helpers_are_dialect_only():
 
 
 def test_mma_max_heads_keeps_shared_state_small():
-    assert mma.max_heads(128) == 16 and mma.max_heads(64) == 16 and mma.max_heads(256) == 8
-    assert mma.max_heads(128, warps=8) == 8
-    for dims in (64, 128, 256):
-        for warps in (2, 4, 8):
-            assert warps * mma.max_heads(dims, warps) * dims * 4 <= 32 * 1024
+    with recorded_builds("cuda"):
+        assert mma.max_heads(128) == 16 and mma.max_heads(64) == 16 and mma.max_heads(256) == 8
+        assert mma.max_heads(128, warps=8) == 8
+        for dims in (64, 128, 256):
+            for warps in (2, 4, 8):
+                assert warps * mma.max_heads(dims, warps) * dims * 4 <= 32 * 1024
+    with recorded_builds("metal"):  # accumulators, running max and sum: all of Metal's 32 KiB
+        assert mma.max_heads(128) == 15 and mma.max_heads(64) == 16 and mma.max_heads(256) == 7
+        for dims in (64, 128, 256):
+            for warps in (2, 4, 8):
+                assert warps * mma.max_heads(dims, warps) * (dims + 2) * 4 <= 32 * 1024
 
 
 def test_backend_detection_agrees_with_mlx():

@@ -88,3 +88,22 @@ def test_metal_front_end_finds_an_input_address_space_mismatch():
     assert "no matching function for call to 'first_of'" in errors[0] and "first_of(scale)" in errors[0]
     assert "__global" in errors[0] and "__constant" in errors[0]  # the note: which spaces clash
     assert all(metal_errors(build) == [] for build in metal_builds([check_of(DEDUCED)]))
+
+
+def test_metal_front_end_finds_threadgroup_memory_beyond_32_kib():
+    pytest.importorskip("clang.cindex", reason="libclang (pip install libclang) runs the Metal front-end check")
+    body = """
+  BT_SHARED float partial[N];
+  partial[thread_rank] = bt_to_float(inp[thread_rank]);
+  BT_BARRIER;
+  out[0] = bt_from_float<T>(partial[0]);
+"""
+    kernel = Kernel("test_metal_check_big_shared", ["inp"], ["out"], body)
+    sizes = {}
+    for n in (8192, 8193):  # 32 KiB of floats, then one more
+        with recorded_builds("metal") as builds:
+            kernel(inputs=[mx.ones((64,))], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                   threadgroup=(32, 1, 1), template=[("T", mx.float32), ("N", n)])
+        sizes[n] = metal_errors(builds[0])
+    assert sizes[8192] == []
+    assert len(sizes[8193]) == 2 and "32772 bytes of threadgroup memory, more than Metal's 32768" in sizes[8193][0]

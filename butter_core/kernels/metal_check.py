@@ -14,7 +14,7 @@ OpenCL (``-cl-std=clc++2021``), whose address spaces ``__global``, ``__constant`
 ``threadgroup`` and ``thread``, with a shim of the Metal standard library the dialect
 uses (``SHIM``), and parses it with libclang (``pip install libclang``). It reports
 clang's errors: syntax, undeclared names, type and overload errors, and address-space
-mismatches. Each call is rendered twice: with its inputs' address spaces as MLX would
+mismatches; and threadgroup arrays beyond Metal's 32 KiB (sized by clang). Each call is rendered twice: with its inputs' address spaces as MLX would
 pass them, and with every input ``constant``, so that one call stands for any sizes.
 
 It is a front-end check, not a Metal compile: no code is generated, and the shim stands
@@ -39,6 +39,10 @@ from butter_core.kernels.kernel import Build, recorded_builds
 
 MAX_CONSTANT_ELEMENTS = 8
 """MLX passes an input of fewer elements in Metal's ``constant`` address space."""
+
+MAX_THREADGROUP_MEMORY = 32 * 1024
+"""Bytes of threadgroup memory a Metal kernel may use on Apple GPUs
+(``maxThreadgroupMemoryLength``): more fails when the pipeline is made."""
 
 METAL_TYPES = {
     mx.float32: "float",
@@ -208,8 +212,9 @@ def translation_unit(build: Build, all_constant: bool = False) -> str:
 
 def metal_errors(build: Build) -> list[str]:
     """clang's errors for ``build`` rendered both ways (``translation_unit``), each as
-    ``kernel (inputs as passed|all constant):line: message`` followed by the source line;
-    empty when both parse cleanly. Needs libclang (``pip install libclang``)."""
+    ``kernel (inputs as passed|all constant):line: message`` followed by the source line,
+    and threadgroup arrays beyond ``MAX_THREADGROUP_MEMORY`` bytes; empty when both parse
+    cleanly. Needs libclang (``pip install libclang``)."""
     from clang import cindex  # noqa: PLC0415 - optional: only this check needs libclang
 
     index = cindex.Index.create()
@@ -227,6 +232,14 @@ def metal_errors(build: Build) -> list[str]:
             notes = "".join(f"\n    note: {note.spelling}" for note in diagnostic.children)
             errors.append(f"{build.kernel.name} ({variant}):{line}: {diagnostic.spelling}\n"
                           f"    {lines[line - 1].strip() if 0 < line <= len(lines) else ''}{notes}")
+        arrays = {
+            cursor.spelling: cursor.type.get_size()
+            for cursor in unit.cursor.walk_preorder()
+            if cursor.kind == cindex.CursorKind.VAR_DECL and "__local" in cursor.type.spelling
+        }
+        if sum(arrays.values()) > MAX_THREADGROUP_MEMORY:
+            errors.append(f"{build.kernel.name} ({variant}): {sum(arrays.values())} bytes of threadgroup memory, "
+                          f"more than Metal's {MAX_THREADGROUP_MEMORY}: {arrays}")
     return errors
 
 

@@ -66,6 +66,8 @@ is its own business (butter-affine rounds each dequantized value once).
 
 from __future__ import annotations
 
+from butter_core.kernels.backend import gpu_backend
+
 MMA_SPLIT_K_HELPERS = r"""
 // ---- tensor-core split-K decode attention, butter_core.kernels.mma ----------------
 template <typename Perm, int NH, int D, typename In>
@@ -207,6 +209,10 @@ BT_FUNC void mma_write_partials(
 
 def max_heads(dims: int, warps: int = 4) -> int:
     """Query heads one threadgroup of a tensor-core kernel may serve: at most two column
-    tiles (16), and few enough that the warps' shared state (``warps * heads * dims``
-    floats) stays within 32 KiB of static shared memory."""
-    return max(1, min(16, 8192 // (warps * dims)))
+    tiles (16), and few enough that the warps' shared state stays within 32 KiB — on CUDA
+    the accumulators (``warps * heads * dims`` floats, of 48 KiB of static shared memory
+    allowed), on Metal the accumulators and each head's running max and sum (``warps *
+    heads * (dims + 2)`` floats), since 32 KiB is all the threadgroup memory Apple GPUs
+    have."""
+    floats_per_head = warps * (dims + 2 if gpu_backend() == "metal" else dims)
+    return max(1, min(16, 8192 // floats_per_head))
