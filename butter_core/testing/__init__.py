@@ -17,6 +17,6 @@ the contract until provided)::
 """
 
 from butter_core.testing.conformance import SchemeConformance
-from butter_core.testing.fixtures import Capabilities, SchemeFixtures
+from butter_core.testing.fixtures import Capabilities, SchemeFixtures, on_the_cpu
 
-__all__ = ["Capabilities", "SchemeConformance", "SchemeFixtures"]
+__all__ = ["Capabilities", "SchemeConformance", "SchemeFixtures", "on_the_cpu"]

