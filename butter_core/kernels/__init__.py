@@ -2,10 +2,13 @@
 
 - ``backend``: which GPU backend this process has.
 - ``dialect``: the vocabulary kernel bodies are written in, per backend.
-- ``kernel``: ``Kernel``, a lazily built custom kernel; output poisoning; ``recorded_builds``,
-  which records what kernels would build for a backend instead of running them.
+- ``kernel``: ``Kernel``, a lazily built custom kernel; output poisoning; ``executed_by``,
+  which hands kernel calls to another executor as if on a given backend, and
+  ``recorded_builds``, which records what they would build there and runs nothing.
 - ``metal_check``: kernels' Metal sources checked by clang's front end where no Metal
   compiler runs (needs libclang).
+- ``metal_emulator``: kernels' Metal builds run on the CPU by a C++ emulation of Metal's
+  execution model, against their references (needs g++ 12+).
 - ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
 - ``split_k``: the split-K (flash-decoding) helpers, launch plan and merge kernel that
   every fused single-query attention kernel shares.
@@ -15,7 +18,15 @@
 
 from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend
 from butter_core.kernels.checks import CheckResult, KernelCheck, relative_error
-from butter_core.kernels.kernel import Build, Kernel, KernelUnavailableError, poisoned_outputs, recorded_builds
+from butter_core.kernels.kernel import (
+    Build,
+    Kernel,
+    KernelUnavailableError,
+    Launch,
+    executed_by,
+    poisoned_outputs,
+    recorded_builds,
+)
 from butter_core.kernels import mma, split_k
 
 __all__ = [
@@ -25,7 +36,9 @@ __all__ = [
     "Kernel",
     "KernelCheck",
     "KernelUnavailableError",
+    "Launch",
     "default_device_is_gpu",
+    "executed_by",
     "gpu_backend",
     "mma",
     "poisoned_outputs",

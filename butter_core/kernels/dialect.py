@@ -135,7 +135,11 @@ _CUDA_PREAMBLE = """\
 """
 
 _METAL_PRIMITIVES = """\
+#ifdef BT_EMULATED  // butter_core.kernels.metal_emulator: a threadgroup's threads share statics
+#define BT_SHARED static
+#else
 #define BT_SHARED threadgroup
+#endif
 #define BT_SHARED_PTR threadgroup
 #define BT_BARRIER threadgroup_barrier(mem_flags::mem_threadgroup)
 #define BT_GLOBAL device
@@ -155,15 +159,17 @@ BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return simd_shuffle_xor(v, static_cast<ushort>(mask));
 }
 template <typename T> BT_FUNC T bt_read(const device T* p) { return *p; }
-template <typename T> BT_FUNC T bt_read(const constant T* p) { return *p; }
 template <bool RO, typename T> BT_FUNC T bt_read_if(const device T* p) { return *p; }
-template <bool RO, typename T> BT_FUNC T bt_read_if(const constant T* p) { return *p; }
 template <typename V, typename T> BT_FUNC const device V* bt_reinterpret(const device T* p) {
   return reinterpret_cast<const device V*>(p);
 }
+#ifndef BT_EMULATED  // without address spaces these would repeat the device overloads
+template <typename T> BT_FUNC T bt_read(const constant T* p) { return *p; }
+template <bool RO, typename T> BT_FUNC T bt_read_if(const constant T* p) { return *p; }
 template <typename V, typename T> BT_FUNC const constant V* bt_reinterpret(const constant T* p) {
   return reinterpret_cast<const constant V*>(p);
 }
+#endif
 
 template <int N, typename In>
 BT_FUNC void bt_load(In src, BT_PRIVATE float* dst) {

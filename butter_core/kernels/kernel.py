@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -16,7 +16,7 @@ from butter_core.kernels.dialect import kernel_header, kernel_source
 TemplateArg = tuple[str, "bool | int | mx.Dtype"]
 
 _POISON = contextvars.ContextVar("butter_poison_outputs", default=False)
-_RECORDED: contextvars.ContextVar[list[Build] | None] = contextvars.ContextVar("butter_recorded_builds", default=None)
+_EXECUTOR: contextvars.ContextVar[Executor | None] = contextvars.ContextVar("butter_kernel_executor", default=None)
 
 # MLX caches compiled CUDA kernels by name (and template values) for the whole
 # process, so two different sources under one name would silently share a binary.
@@ -54,20 +54,52 @@ class Build:
     output_dtypes: tuple[mx.Dtype, ...]
 
 
+@attrs.frozen
+class Launch:
+    """One kernel call as MLX would run it: what it compiles, its inputs, the outputs'
+    shapes, the grid (threads), the threadgroup and the outputs' initial value (None:
+    uninitialised)."""
+
+    build: Build
+    inputs: tuple[mx.array, ...]
+    output_shapes: tuple[tuple[int, ...], ...]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    init_value: float | None
+
+
+Executor = Callable[[Launch], list[mx.array]]
+
+
+@contextlib.contextmanager
+def executed_by(backend: Backend, execute: Executor) -> Iterator[None]:
+    """Within this block ``gpu_backend()`` answers ``backend``, so the code around kernels
+    takes that backend's paths, and every kernel call is handed to ``execute`` as a
+    ``Launch`` instead of MLX (a kernel the backend cannot build still raises
+    ``KernelUnavailableError``). For running or checking a backend's builds on a machine
+    without it: ``recorded_builds``, ``butter_core.kernels.metal_emulator``."""
+    backend_token = _STANDING_IN.set(backend)
+    executor_token = _EXECUTOR.set(execute)
+    try:
+        yield
+    finally:
+        _EXECUTOR.reset(executor_token)
+        _STANDING_IN.reset(backend_token)
+
+
 @contextlib.contextmanager
 def recorded_builds(backend: Backend) -> Iterator[list[Build]]:
-    """Within this block ``gpu_backend()`` answers ``backend`` and kernel calls run nothing:
-    each appends its ``Build`` to the list yielded and returns zero-filled outputs, so the
-    code around a kernel goes on as it would there. For checking a backend's sources on a
-    machine without it (``butter_core.kernels.metal_check``)."""
+    """``executed_by(backend, ...)`` where kernel calls run nothing: each appends its
+    ``Build`` to the list yielded and returns zero-filled outputs, so the code around a
+    kernel goes on as it would there (``butter_core.kernels.metal_check``)."""
     builds: list[Build] = []
-    backend_token = _STANDING_IN.set(backend)
-    recorded_token = _RECORDED.set(builds)
-    try:
+
+    def record(launch: Launch) -> list[mx.array]:
+        builds.append(launch.build)
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(launch.output_shapes, launch.build.output_dtypes)]
+
+    with executed_by(backend, record):
         yield builds
-    finally:
-        _RECORDED.reset(recorded_token)
-        _STANDING_IN.reset(backend_token)
 
 
 class Kernel:
@@ -152,20 +184,21 @@ class Kernel:
     ) -> list[mx.array]:
         """Run on the GPU stream, as MLX's custom kernels run: ``grid`` counts threads
         (not threadgroups) along each axis; outputs are fresh arrays."""
-        recorded = _RECORDED.get()
-        if recorded is not None:
+        if init_value is None and _POISON.get():
+            init_value = float("nan")
+        execute = _EXECUTOR.get()
+        if execute is not None:
             self._check_available()
-            recorded.append(Build(
+            build = Build(
                 kernel=self,
                 backend=gpu_backend(),
                 template=tuple(template),
                 input_dtypes=tuple(x.dtype for x in inputs),
                 input_shapes=tuple(tuple(x.shape) for x in inputs),
                 output_dtypes=tuple(output_dtypes),
-            ))
-            return [mx.zeros(tuple(shape), dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
-        if init_value is None and _POISON.get():
-            init_value = float("nan")
+            )
+            return execute(Launch(build, tuple(inputs), tuple(tuple(s) for s in output_shapes), tuple(grid),
+                                  tuple(threadgroup), init_value))
         return self._build()(
             inputs=list(inputs),
             output_shapes=[tuple(s) for s in output_shapes],

@@ -198,6 +198,16 @@ def translation_unit(build: Build, all_constant: bool = False) -> str:
             ]
     params += [f"device {METAL_TYPES[dtype]}* {name}" for name, dtype in zip(kernel.output_names, build.output_dtypes)]
     lines = [SHIM, kernel.header("metal"), f"__kernel void {kernel.name}(" + ", ".join(params) + ") {"]
+    lines += template_declarations(build)
+    lines += [f"  const {kind} {name} = bt_shim_attribute<{kind}>();" for name, kind in ATTRIBUTES.items() if name in source]
+    lines += [source, "}", ""]
+    return "\n".join(lines)
+
+
+def template_declarations(build: Build) -> list[str]:
+    """``build``'s template values as the declarations that open a kernel body instead of
+    template parameters (``constexpr int D = 128;``, ``using T = bfloat16_t;``)."""
+    lines = []
     for name, value in build.template:
         if isinstance(value, bool):
             lines.append(f"  constexpr bool {name} = {str(value).lower()};")
@@ -205,9 +215,7 @@ def translation_unit(build: Build, all_constant: bool = False) -> str:
             lines.append(f"  constexpr int {name} = {value};")
         else:
             lines.append(f"  using {name} = {METAL_TYPES[value]};")
-    lines += [f"  const {kind} {name} = bt_shim_attribute<{kind}>();" for name, kind in ATTRIBUTES.items() if name in source]
-    lines += [source, "}", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def metal_errors(build: Build) -> list[str]:
@@ -243,4 +251,4 @@ def metal_errors(build: Build) -> list[str]:
     return errors
 
 
-__all__ = ["metal_builds", "metal_errors", "translation_unit"]
+__all__ = ["metal_builds", "metal_errors", "template_declarations", "translation_unit"]
