@@ -1,0 +1,97 @@
+"""What a custom-kernel call costs the host on CUDA, and how much of it is the kernel's source size.
+
+MLX's CUDA ``custom_kernel`` writes the whole kernel source (its header included) into
+every call's primitive and hashes it again when the call is evaluated, to find the
+compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugins):
+
+    python3 bench/gpu_host_cost.py
+
+1. A one-line kernel with a header of 0, 8, 32 and 64 KB of comment: host time to build
+   a call (``build``: the Python call that returns its output) and to evaluate it
+   (``eval``: 400 calls evaluated together, per call), medians of 5 rounds.
+2. A decode step's attention through butter-aura's and butter-affine's kernels (bf16, 16
+   query / 8 KV heads, head_dim 128, 4k keys), built and evaluated the same way, against
+   MLX's SDPA on raw bf16 of the same shape.
+3. The source MLX receives from butter for each kernel defined (header and body, CUDA;
+   MLX adds its own includes), in KB.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from butter_affine.kernels import decode_mma
+from butter_affine.kernels.decode import make_inputs as affine_inputs
+from butter_aura.kernels import attention
+from butter_aura.kernels.checks import make_split_inputs
+from butter_core.kernels import kernel as kernel_module
+from butter_core.kernels.dialect import kernel_header, kernel_source
+
+ROUNDS = 5
+LENGTH, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 16, 8, 128
+
+
+def per_call_us(call: Callable[[], mx.array], calls: int = 400) -> tuple[float, float]:
+    """Median over rounds of (µs to build one call, µs to evaluate one of ``calls`` evaluated together)."""
+    rounds = []
+    for _ in range(ROUNDS):
+        mx.eval(call())
+        mx.synchronize()
+        start = time.perf_counter()
+        outs = [call() for _ in range(calls)]
+        built = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        rounds.append(((built - start) / calls * 1e6, (time.perf_counter() - built) / calls * 1e6))
+    return statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
+
+
+def header_sizes() -> None:
+    x = mx.ones((1024,), mx.float32)
+    print("| header | build µs/call | eval µs/call |\n|---:|---:|---:|")
+    for kb in (0, 8, 32, 64):
+        line = "// " + "x" * 77 + "\n"
+        kernel = mx.fast.cuda_kernel(name=f"host_cost_{kb}", input_names=["inp"], output_names=["out"],
+                                     source="out[threadIdx.x] = inp[threadIdx.x] + 1.0f;",
+                                     header=line * (kb * 1024 // len(line)))
+        build, ev = per_call_us(lambda: kernel(inputs=[x], output_shapes=[(32,)], output_dtypes=[mx.float32],
+                                               grid=(32, 1, 1), threadgroup=(32, 1, 1))[0])
+        print(f"| {kb} KB | {build:.1f} | {ev:.1f} |")
+
+
+def source_sizes() -> None:
+    print("\n| kernel | CUDA source MLX receives |\n|---|---:|")
+    for name, (body, helpers, mma) in sorted(kernel_module._DEFINED.items()):
+        size = len(kernel_header("cuda", helpers, mma=mma)) + len(kernel_source("cuda", body))
+        print(f"| {name} | {size / 1024:.1f} KB |")
+
+
+def decode_calls() -> None:
+    aura = make_split_inputs(0, length=LENGTH, allocated=LENGTH + 256, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                             dtype=mx.bfloat16)
+    affine = affine_inputs(0, bits=4, group_size=32, length=LENGTH, allocated=LENGTH + 256, q_heads=Q_HEADS,
+                           kv_heads=KV_HEADS, dtype=mx.bfloat16)
+    keys, values = (mx.random.normal((1, KV_HEADS, LENGTH, HEAD_DIM)).astype(mx.bfloat16) for _ in range(2))
+    mx.eval(aura["queries"], aura["stored"].key_codes, [v for v in affine.values() if isinstance(v, mx.array)], keys,
+            values)
+    paths = {
+        "raw bf16, mx.fast.scaled_dot_product_attention": lambda: mx.fast.scaled_dot_product_attention(
+            affine["queries"], keys, values, scale=HEAD_DIM**-0.5),
+        "aura4v2, attention.decode_attention (2 kernels)": lambda: attention.decode_attention(
+            aura["queries"], aura["stored"], aura["scale"]),
+        "affine4, decode_mma.decode_attention (2 kernels)": lambda: decode_mma.decode_attention(**affine),
+    }
+    print("\n| 4k keys, one query | build µs/call | eval µs/call |\n|---|---:|---:|")
+    for name, call in paths.items():
+        build, ev = per_call_us(call, 200)
+        print(f"| {name} | {build:.1f} | {ev:.1f} |")
+
+
+if __name__ == "__main__":
+    header_sizes()
+    decode_calls()
+    source_sizes()  # after the calls, which define the kernels that are made on first use
