@@ -8,7 +8,8 @@ compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugin
 
 1. A one-line kernel with a header of 0, 8, 32 and 64 KB of comment: host time to build
    a call (``build``: the Python call that returns its output) and to evaluate it
-   (``eval``: 400 calls evaluated together, per call), medians of 5 rounds.
+   (``eval``: 400 calls evaluated together, per call), medians of ``gpu_timing.REPEATS``
+   rounds (``gpu_timing.amortised``).
 2. A decode step's attention through butter-aura's and butter-affine's kernels (bf16, 16
    query / 8 KV heads, head_dim 128, 4k keys), built and evaluated the same way, against
    MLX's SDPA on raw bf16 of the same shape.
@@ -18,8 +19,6 @@ compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugin
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -30,24 +29,16 @@ from butter_aura.kernels import attention
 from butter_aura.kernels.checks import make_split_inputs
 from butter_core.kernels import kernel as kernel_module
 from butter_core.kernels.dialect import kernel_header, kernel_source
+from gpu_timing import amortised
 
-ROUNDS = 5
 LENGTH, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 16, 8, 128
 
 
 def per_call_us(call: Callable[[], mx.array], calls: int = 400) -> tuple[float, float]:
-    """Median over rounds of (µs to build one call, µs to evaluate one of ``calls`` evaluated together)."""
-    rounds = []
-    for _ in range(ROUNDS):
-        mx.eval(call())
-        mx.synchronize()
-        start = time.perf_counter()
-        outs = [call() for _ in range(calls)]
-        built = time.perf_counter()
-        mx.eval(outs)
-        mx.synchronize()
-        rounds.append(((built - start) / calls * 1e6, (time.perf_counter() - built) / calls * 1e6))
-    return statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
+    """(µs to build one call, µs to evaluate one of ``calls`` evaluated together), medians
+    over ``gpu_timing.amortised``'s repeats."""
+    timing = amortised(lambda: [call() for _ in range(calls)], calls=calls)
+    return timing.build_us, timing.us
 
 
 def header_sizes() -> None:

@@ -127,9 +127,7 @@ class SlotBuffers:
     def read(self, length: int) -> dict[str, mx.array]:
         """Views of slots ``[0, length)`` of every buffer."""
         if length == 0 or not self._storage:
-            s = self.spec
-            return {name: mx.zeros((s.batch_size, s.n_kv_heads, 0, width), dtype)
-                    for name, (width, dtype) in self.layout.items()}
+            return unstack(self._empty(0), self.stacks)
         return unstack(self._storage, self.stacks, length)
 
     def clear(self) -> None:

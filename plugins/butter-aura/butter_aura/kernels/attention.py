@@ -274,12 +274,12 @@ def decode_attention(
         raise ValueError(f"the attention kernels serve head_dim {SUPPORTED_HEAD_DIMS}; got {dims}")
     if method is None:
         method = "mma" if gpu_backend() == "cuda" and attention_mma.serves(queries, stored) else "simt"
+    elif method == "mma" and not attention_mma.serves(queries, stored):
+        raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
     lo, hi = stored.recent_range()
     params = mx.array([length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
     scale_array = mx.array([scale], dtype=mx.float32)
     if method == "mma":
-        if not attention_mma.serves(queries, stored):
-            raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
         partial_acc, partial_max, partial_sum = attention_mma.partials(
             queries, stored, params, scale_array, splits=splits, **tunables
         )
