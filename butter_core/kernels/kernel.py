@@ -199,7 +199,10 @@ class Kernel:
             )
             return execute(Launch(build, tuple(inputs), tuple(tuple(s) for s in output_shapes), tuple(grid),
                                   tuple(threadgroup), init_value))
-        return self._build()(
+        built = self._built.get(gpu_backend())  # checked when it was built
+        if built is None:
+            built = self._build()
+        return built(
             inputs=list(inputs),
             output_shapes=[tuple(s) for s in output_shapes],
             output_dtypes=list(output_dtypes),

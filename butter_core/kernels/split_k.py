@@ -52,6 +52,7 @@ with device-wide atomics) was tried and measured 2-6 µs slower per call on the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -257,6 +258,7 @@ class SplitKLaunch:
     output_dtypes: tuple[mx.Dtype, ...] = (mx.float32,) * 3
 
 
+@functools.lru_cache(maxsize=4096)
 def plan(
     *,
     batch: int,
@@ -272,7 +274,8 @@ def plan(
 ) -> SplitKLaunch:
     """The launch of a partials kernel over ``length`` live keys: ``warps`` warps per
     threadgroup (its ``WARPS``), up to ``max_heads`` query heads per threadgroup, splits
-    chosen by ``num_splits`` (or ``splits``, forced)."""
+    chosen by ``num_splits`` (or ``splits``, forced). Cached: a decode step asks once
+    per layer with the same arguments, and the answer is an immutable ``SplitKLaunch``."""
     heads = heads_per_block(q_heads // kv_heads, max_heads)
     blocks = batch * q_heads // heads
     n_splits = splits or num_splits(length, blocks, min_keys=min_keys, target_blocks=target_blocks)

@@ -17,6 +17,8 @@ and bias buffers in another, so an append writes two arrays, not six.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import mlx.core as mx
 
@@ -63,7 +65,7 @@ class PackedFormat:
         words, groups = codes.shape[-1], scales.shape[-1]
         if (words * 32) % head_dim or head_dim % groups:
             raise ValueError(f"codes {codes.shape} / scales {scales.shape} do not pack rows of {head_dim} values")
-        return cls(words * 32 // head_dim, head_dim // groups, head_dim, scales.dtype)
+        return packed_format(words * 32 // head_dim, head_dim // groups, head_dim, scales.dtype)
 
     @property
     def words(self) -> int:
@@ -93,3 +95,10 @@ class PackedFormat:
             layout[f"{side}_scales"] = (self.groups, self.dtype)
             layout[f"{side}_biases"] = (self.groups, self.dtype)
         return layout
+
+
+@functools.lru_cache(maxsize=256)
+def packed_format(bits: int, group_size: int, head_dim: int, dtype: mx.Dtype) -> PackedFormat:
+    """``PackedFormat(...)``, made once per distinct format (a decode step asks for one per layer
+    and kernel call)."""
+    return PackedFormat(bits, group_size, head_dim, dtype)

@@ -32,7 +32,7 @@ class Codebook:
     @property
     def boundaries(self) -> tuple[float, ...]:
         """Midpoints between neighbouring levels: a value above boundary ``i`` gets a code above ``i``."""
-        return tuple((a + b) / 2 for a, b in zip(self.levels, self.levels[1:]))
+        return _midpoints(self.levels)
 
     def levels_array(self) -> mx.array:
         """The levels as float32, made once per process (a decode step passes them to the kernels)."""
@@ -48,6 +48,11 @@ def _as_array(values: tuple[float, ...]) -> mx.array:
     array = mx.array(values, dtype=mx.float32)
     mx.eval(array)
     return array
+
+
+@functools.cache
+def _midpoints(levels: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple((a + b) / 2 for a, b in zip(levels, levels[1:]))
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from butter_core.kernels import Kernel
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS
-from butter_affine.packing import BUFFERS, STACKS, PackedFormat, stack
+from butter_affine.packing import BUFFERS, STACKS, packed_format, stack
 
 _THREADS = 64
 
@@ -90,7 +90,7 @@ def quantize_kv(keys: mx.array, values: mx.array, *, bits: int, group_size: int)
     """Codes/scales/biases of ``keys`` and ``values`` ``[B, H, T, D]`` (scales in their dtype),
     stacked as ``packing.STACKS`` (``butter_core.slots.unstack`` names them as ``packing.BUFFERS``)."""
     _check_rows(keys, values)
-    fmt = PackedFormat(bits, group_size, keys.shape[-1], keys.dtype)
+    fmt = packed_format(bits, group_size, keys.shape[-1], keys.dtype)
     lead = keys.shape[:-1]
     groups = 2 * keys.size // group_size
     outputs = _QUANTIZE(
