@@ -16,8 +16,9 @@ Made for the lent NVIDIA H200 (MLX's CUDA backend); runs on any MLX backend.
    then two untimed steps (the first, reported as ``first_step_s``, compiles the decode
    kernels), then ``--decode-tokens`` greedy tokens through ``Generation`` (the loop of
    ``butter generate``, which builds step n+1's graph while step n evaluates): decode
-   tok/s. Then ``SYNC_STEPS`` steps one at a time, each split into building the step's
-   graph on the host (``step_build_ms``) and evaluating it (``step_eval_ms``).
+   tok/s, the median of ``--e2e-rounds`` such runs. Then ``SYNC_STEPS`` steps one at a
+   time, each split into building the step's graph on the host (``step_build_ms``) and
+   evaluating it (``step_eval_ms``).
 
 Usage: python3 bench/gpu_bench.py [--kv-cache raw,affine4,...] [--json PATH]
 Each section catches its own errors so one failure does not hide the rest.
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 import traceback
 from datetime import date
@@ -151,7 +153,8 @@ def e2e_section(args, rows):
             except Exception:  # noqa: BLE001
                 continue
             try:
-                engine = Engine(model, LoadOptions(kv_cache=kind, max_context_length=context + args.decode_tokens + 32))
+                positions = context + (args.decode_tokens + 1) * args.e2e_rounds + SYNC_STEPS + 8
+                engine = Engine(model, LoadOptions(kv_cache=kind, max_context_length=positions))
                 caches = engine.make_layer_caches()
                 mx.reset_peak_memory()
                 start = time.perf_counter()
@@ -162,9 +165,12 @@ def e2e_section(args, rows):
                 first_step_s = time.perf_counter() - start  # includes compiling the decode kernels
                 token = engine.forward_sample(token, caches[0].absolute_position, caches)
                 peak = mx.get_peak_memory()  # Generation resets the peak
-                generation = Generation(engine, [token], caches, max_tokens=args.decode_tokens + 1)
-                for token in generation:
-                    pass
+                rates = []
+                for _ in range(args.e2e_rounds):
+                    generation = Generation(engine, [token], caches, max_tokens=args.decode_tokens + 1)
+                    for token in generation:
+                        pass
+                    rates.append(generation.stats.decode_tps)
                 build_s = eval_s = 0.0
                 for _ in range(SYNC_STEPS):
                     start = time.perf_counter()
@@ -179,7 +185,8 @@ def e2e_section(args, rows):
                         "context": context,
                         "prefill_tok_s": round(context / prefill_s, 1),
                         "first_step_s": round(first_step_s, 3),
-                        "decode_tok_s": round(generation.stats.decode_tps, 2),
+                        "decode_tok_s": round(statistics.median(rates), 2),
+                        "decode_tok_s_rounds": [round(r, 2) for r in rates],
                         "step_build_ms": round(1e3 * build_s / SYNC_STEPS, 2),
                         "step_eval_ms": round(1e3 * eval_s / SYNC_STEPS, 2),
                         "kv_bytes_live": sum(c.nbytes_live for c in caches),
@@ -200,6 +207,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--copy-tbs", type=float, default=4.1, help="measured copy bandwidth, TB/s (GPU-NOTES)")
+    parser.add_argument("--e2e-rounds", type=int, default=1, help="decode runs per scheme and context (median)")
+    parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--json", type=Path, default=Path(os.environ["OUT"]) / "gpu_bench.json" if "OUT" in os.environ else None)
     args = parser.parse_args()
@@ -208,7 +217,7 @@ def main() -> None:
     print(meta)
     attention, e2e = [], []
     for section, rows in ((attention_section, attention), (e2e_section, e2e)):
-        if section is e2e_section and args.skip_e2e:
+        if (section is e2e_section and args.skip_e2e) or (section is attention_section and args.skip_attention):
             continue
         try:
             section(args, rows)
