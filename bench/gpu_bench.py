@@ -152,6 +152,7 @@ def e2e_section(args, rows):
                 kind = host.parse_kv_cache(name)
             except Exception:  # noqa: BLE001
                 continue
+            mx.clear_cache()
             try:
                 positions = context + (args.decode_tokens + 1) * args.e2e_rounds + SYNC_STEPS + 8
                 engine = Engine(model, LoadOptions(kv_cache=kind, max_context_length=positions))
@@ -193,7 +194,7 @@ def e2e_section(args, rows):
                         "peak_memory_bytes": max(peak, mx.get_peak_memory()),
                     }
                 )
-                del caches
+                del caches, generation, logits  # the generation holds the caches: free them before the next scheme
             except Exception:  # noqa: BLE001
                 print(f"FAILED e2e {name} @ {context}:\n{traceback.format_exc()}")
 

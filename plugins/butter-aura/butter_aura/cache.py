@@ -66,6 +66,8 @@ class AuraCache(BufferedSlotCache):
         self._recent_host = [-1] * self.budget.ring
         """Host mirror of ``recent_slots`` (``StoredLayer.recent_host``): its range and slots without a device sync."""
         self._pending: tuple[int, mx.array, mx.array] | None = None
+        self._unencoded: list[int] = []
+        """Recent-ring slots whose codes are not written yet (``store``); each is in the ring."""
 
     # -- storage ---------------------------------------------------------------
 
@@ -83,10 +85,55 @@ class AuraCache(BufferedSlotCache):
         return arrays
 
     def store(self, start, keys, values):
-        rows = self.ops.encode_rows(keys, values, self.rotation, self.key_codec, self.value_codec)
-        self.slots.write(start, rows, live=self.length)
-        self._keep_full_precision(start, keys, values)
+        """Encode and write the rows, and copy those the budget keeps into the full-precision rows.
+
+        A single token bound for the recent ring is not encoded yet: attention reads it
+        from its full-precision row until it leaves the ring, so its codes are written
+        when some later write needs its row (``_encode_unencoded``: one encode for up to
+        ``recent`` tokens), or before anything reads codes (``load``, ``export_slots``).
+        A decode step then makes no encode call and no slot write, only the ring's. The
+        codes are those an immediate encode would write, since the ring's copy is the
+        token itself (``_defers`` asks that the ring's dtype be the keys')."""
+        if self._defers(start, keys):
+            self.slots.reserve(start + 1, live=self.length)
+            held = self._recent_host[self.budget.row_of(start) - self.budget.sinks]
+            if held != start and held in self._unencoded:
+                self._encode_unencoded()
+            self._keep_full_precision(start, keys, values)
+            if start not in self._unencoded:
+                self._unencoded.append(start)
+        else:
+            self._encode_unencoded()
+            rows = self.ops.encode_rows(keys, values, self.rotation, self.key_codec, self.value_codec)
+            self.slots.write(start, rows, live=self.length)
+            self._keep_full_precision(start, keys, values)
         self._pending = (start, keys, values)
+
+    def _defers(self, start: int, keys: mx.array) -> bool:
+        """Whether ``store`` may leave these rows' codes for later: one token, bound for the
+        recent ring, in the dtype the ring keeps (so the ring holds it exactly)."""
+        return (keys.shape[2] == 1 and start >= self.budget.sinks and self.budget.recent > 0
+                and keys.dtype == self.fp_dtype)
+
+    def _encode_unencoded(self) -> None:
+        """Encode the ring slots ``store`` left without codes, from their full-precision rows,
+        and write their codes: one encode call, one write per run of consecutive slots."""
+        if not self._unencoded:
+            return
+        slots = sorted(self._unencoded)
+        self._unencoded = []
+        index = mx.array([self.budget.row_of(slot) for slot in slots], dtype=mx.int32)
+        rows = self.ops.encode_rows(
+            mx.take(self._fp["fp_keys"], index, axis=2), mx.take(self._fp["fp_values"], index, axis=2),
+            self.rotation, self.key_codec, self.value_codec,
+        )
+        first = 0
+        for i in range(1, len(slots) + 1):
+            if i == len(slots) or slots[i] != slots[i - 1] + 1:
+                run = rows if (first, i) == (0, len(slots)) else {
+                    name: array[..., first:i, :] for name, array in rows.items()}
+                self.slots.write(slots[first], run, live=self.length)
+                first = i
 
     def _keep_full_precision(self, start: int, keys: mx.array, values: mx.array) -> None:
         """Copy the written rows that are sinks, and the last ``recent`` others, into the full-precision rows."""
@@ -132,6 +179,7 @@ class AuraCache(BufferedSlotCache):
         )
 
     def load(self, length):
+        self._encode_unencoded()
         if length == 0:
             empty = mx.zeros((self.spec.batch_size, self.spec.n_kv_heads, 0, self.spec.head_dim), self.spec.dtype)
             return empty, empty
@@ -157,6 +205,7 @@ class AuraCache(BufferedSlotCache):
     # -- state and accounting --------------------------------------------------
 
     def export_slots(self, length):
+        self._encode_unencoded()
         recent = self._fp["recent_slots"]
         return {
             **super().export_slots(length),
@@ -184,6 +233,7 @@ class AuraCache(BufferedSlotCache):
         self._fp = {name: mx.array(array).astype(expected[name].dtype) for name, array in fp.items()}
         self._recent_host = self._fp["recent_slots"].tolist()
         self._pending = None
+        self._unencoded = []
 
     def meta_state(self):
         return {**super().meta_state(), "rotation_seed": self.rotation.seed, "kind": str(self.kind)}
@@ -201,6 +251,7 @@ class AuraCache(BufferedSlotCache):
     def truncate(self, length):
         super().truncate(length)
         self._pending = None
+        self._unencoded = [slot for slot in self._unencoded if slot < length]
 
     def buffers(self):
         return super().buffers() + list(self._fp.values()) + self.rotation.arrays()

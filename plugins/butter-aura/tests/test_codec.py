@@ -187,6 +187,34 @@ def test_full_precision_budget_holds_sinks_and_recent_slots():
     assert relative_error(values[:, :, 10:60], v[:, :, 10:60]) > 0.2  # 2-bit codes elsewhere
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("window", [None, Window(max_size=100, keep=4)])
+def test_ring_tokens_encoded_late_hold_the_codes_of_an_immediate_encode(dtype, window):
+    """Decode-step tokens are coded when they leave the recent ring (``AuraCache.store``):
+    token-by-token appends, with or without a wrapping window, end with the same state as
+    appends that force every code out at once (a state export after each), and attention
+    in between reads the ring's copies."""
+    layer = spec(dtype, capacity=window.max_size if window else 256)
+    late, early = (make_layer_caches(Aura(4, 2), [layer], window)[0] for _ in range(2))
+    k, v = normal((1, 2, 180, 64), 20, dtype), normal((1, 2, 180, 64), 21, dtype)
+    q = normal((1, 4, 1, 64), 22, dtype)
+    for cache in (late, early):
+        cache.append(k[:, :, :20], v[:, :, :20])
+    for t in range(20, 180):
+        outs = []
+        for cache in (late, early):
+            outs.append(cache.update_and_attend(q, k[:, :, t : t + 1], v[:, :, t : t + 1], scale=0.125))
+        early.state()  # exports flush the codes
+        assert mx.array_equal(outs[0], outs[1]).item(), t
+    inner = late.inner if window else late
+    assert inner._unencoded, "no token was left for later"
+    late_state, early_state = late.state(), early.state()
+    assert not inner._unencoded
+    assert sorted(late_state) == sorted(early_state)
+    for name in late_state:
+        assert mx.array_equal(late_state[name], early_state[name]).item(), name
+
+
 def test_budget_shrinks_to_tiny_capacities():
     assert FullPrecisionBudget.for_capacity(9) == FullPrecisionBudget(4, 5)
     assert FullPrecisionBudget.for_capacity(3) == FullPrecisionBudget(3, 0)
