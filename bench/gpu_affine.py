@@ -82,8 +82,8 @@ SWEEPS = (
 """Overrides of ``butter_affine.kernels.decode``'s tunables, each timed alone for affine4 at 128k."""
 TENSOR_CORE_SWEEPS = (
     {"READ_ONLY_LOADS": False},
-    {"SCORE_CHAINS": {4: 1, 8: 1}},
-    {"SCORE_CHAINS": {4: 2, 8: 2}},
+    {"SCORE_CHAINS": {4: 1, 6: 1, 8: 1}},
+    {"SCORE_CHAINS": {4: 2, 6: 2, 8: 2}},
     {"TARGET_BLOCKS": 132},
     {"TARGET_BLOCKS": 396},
     {"TARGET_BLOCKS": 528},
@@ -266,14 +266,14 @@ SIDE_BY_SIDE_ROUNDS = 9
 
 def time_side_by_side(length: int = 131072) -> dict[str, dict]:
     """The goal's ratio, measured as it must be quoted: raw SDPA and the tensor-core kernel
-    on affine4 and affine8 timed in turn for ``SIDE_BY_SIDE_ROUNDS`` rounds, each round's
+    on affine4, affine6 and affine8 timed in turn for ``SIDE_BY_SIDE_ROUNDS`` rounds, each round's
     kernel time divided by raw's in that round (``gpu_timing.side_by_side``)."""
     q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
     scale = HEAD_DIM**-0.5
     pairs = raw_pairs(length)
     builds = {"raw bf16, MLX SDPA": lambda: [mx.fast.scaled_dot_product_attention(
         q, *pairs[i % len(pairs)], scale=scale) for i in range(CALLS)]}
-    for name in ("affine4", "affine8"):
+    for name in ("affine4", "affine6", "affine8"):
         bits, group = SCHEMES[name]
         sets = packed_sets(bits, group, length)
         builds[f"{name} tensor-core kernel"] = lambda sets=sets: [decode_mma.decode_attention(
@@ -400,7 +400,7 @@ def print_tables() -> None:
         fused = by[(131072, "affine4 fused kernel")]
         print(f"goal at 128k: fused affine4 / raw SDPA = {fused / raw[131072]:.2f} (goal <= 0.5); "
               f"quantized_matmul / fused = {by[(131072, 'affine4 mx.quantized_matmul')] / fused:.1f}x (goal >= 20)")
-    for name in ("affine4", "affine8"):
+    for name in SCHEMES:
         if (131072, f"{name} tensor-core kernel") in by:
             tc = by[(131072, f"{name} tensor-core kernel")]
             print(f"at 128k: tensor-core {name} / raw SDPA = {tc / raw[131072]:.2f} (goal <= 0.5); "

@@ -7,7 +7,7 @@ and single-token decode attention. Per backend, from measurement:
 |---|---|---|---|
 | quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel | ``quantize_kv`` kernel |
 | dequantize | reference (``codec.dequantize``), compiled | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
-| decode | float32: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/8-bit, float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel | dequantize + SDPA (the seed's path) |
+| decode | float32: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel | dequantize + SDPA (the seed's path) |
 
 CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
 ``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does.
@@ -34,9 +34,11 @@ against 315.4 for ``mx.quantized_matmul`` and 2648 for dequantize + SDPA. At 4k
 codes in the form the CPU path uses (query heads as matrix rows) it crashed MLX 0.32.4
 (illegal memory access), so it is not used.
 
-The tensor-core kernel (``kernels.decode_mma``) takes 4- and 8-bit codes with float16 or
-bfloat16 queries and scales, and head_dim 64/128/256; 6-bit codes and float32 keep the
-float32 ``decode`` kernel. On the H200 at 128k it takes 0.4x the float32 kernel's time
+The tensor-core kernel (``kernels.decode_mma``) takes 4-, 6- and 8-bit codes with float16
+or bfloat16 queries and scales, and head_dim 64/128/256 (6-bit: 128/256); float32 and
+6-bit codes at head_dim 64 keep the float32 ``decode`` kernel. affine6 at 128k, side by
+side with raw SDPA: 0.638x its time on tensor cores against 1.278x with the float32
+kernel (7 rounds, 2026-11-30). On the H200 at 128k it takes 0.4x the float32 kernel's time
 (affine4 63.0-71.3 against 157-162 µs; ``bench/gpu_affine.py``); side by side with raw
 SDPA, 0.488-0.512x its time (medians of 7-9 rounds in six runs; single rounds 0.45-0.53x), and
 0.79-1.16x raw's at 4k and 32k.

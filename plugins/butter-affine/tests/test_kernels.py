@@ -162,7 +162,7 @@ def test_tensor_core_checks_cover_every_supported_format():
     cases = [{**defaults, **case} for case in check.cases]
     covered = {(c["bits"], c["head_dim"], c["dtype"]) for c in cases}
     assert covered == {(b, d, t) for b in decode_mma.SUPPORTED_BITS for d in decode_mma.SUPPORTED_HEAD_DIMS
-                       for t in decode_mma.SUPPORTED_DTYPES}
+                       for t in decode_mma.SUPPORTED_DTYPES if decode_mma.supports(PackedFormat(b, 32, d, t), t)}
     groups = {c["q_heads"] // c["kv_heads"] for c in cases}
     assert {1, 4, 7, 8, 12, 16, 40} <= groups
     assert any(c["length"] % 16 for c in cases)
@@ -179,21 +179,23 @@ def test_tensor_core_checks_cover_every_supported_format():
 @pytest.mark.parametrize(
     ("bits", "head_dim", "dtype", "expected"),
     [(4, 128, mx.bfloat16, True), (8, 64, mx.float16, True), (8, 256, mx.bfloat16, True),
-     (6, 128, mx.bfloat16, False), (4, 128, mx.float32, False), (4, 96, mx.float16, False)],
+     (6, 128, mx.bfloat16, True), (6, 256, mx.float16, True), (6, 64, mx.bfloat16, False),
+     (4, 128, mx.float32, False), (4, 96, mx.float16, False)],
 )
 def test_tensor_core_decode_supports(bits, head_dim, dtype, expected):
     assert decode_mma.supports(PackedFormat(bits, 32, head_dim, dtype), dtype) is expected
 
 
 @pytest.mark.parametrize(
-    ("bits", "dtype", "decode_name"),
-    [(4, mx.bfloat16, "_tensor_core_decode"), (8, mx.float16, "_tensor_core_decode"),
-     (6, mx.bfloat16, "_fused_decode"), (4, mx.float32, "_fused_decode")],
+    ("bits", "head_dim", "dtype", "decode_name"),
+    [(4, 128, mx.bfloat16, "_tensor_core_decode"), (8, 128, mx.float16, "_tensor_core_decode"),
+     (6, 128, mx.bfloat16, "_tensor_core_decode"), (6, 64, mx.bfloat16, "_fused_decode"),
+     (4, 128, mx.float32, "_fused_decode")],
 )
-def test_cuda_ops_choose_the_tensor_core_kernel_where_it_applies(monkeypatch, bits, dtype, decode_name):
+def test_cuda_ops_choose_the_tensor_core_kernel_where_it_applies(monkeypatch, bits, head_dim, dtype, decode_name):
     monkeypatch.setattr(ops, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(ops, "default_device_is_gpu", lambda: True)
-    chosen = ops.select_ops(PackedFormat(bits, 32, 128, dtype))
+    chosen = ops.select_ops(PackedFormat(bits, 32, head_dim, dtype))
     assert chosen.decode is getattr(ops, decode_name)
 
 
@@ -208,6 +210,6 @@ def test_tensor_core_decode_keeps_float32_queries_on_the_float32_kernel(monkeypa
 
 
 def test_tensor_core_decode_rejects_formats_it_does_not_take():
-    inputs = decode.make_inputs(0, bits=6, allocated=64, length=10)
+    inputs = decode.make_inputs(0, bits=6, head_dim=64, allocated=64, length=10)
     with pytest.raises(ValueError, match="tensor-core"):
         decode_mma.decode_attention(**inputs)

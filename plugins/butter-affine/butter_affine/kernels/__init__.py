@@ -5,8 +5,8 @@ each paired with a pure-mx reference in ``KERNEL_CHECKS``.
 - ``dequantize.dequantize_kv``: the live slots as floats (prefill attention).
 - ``decode.decode_attention``: fused single-token attention reading the codes
   (split-K, with the scheme-independent pieces in ``butter_core.kernels.split_k``).
-- ``decode_mma.decode_attention``: the same on tensor cores, for 4- and 8-bit codes with
-  float16/bfloat16 queries (fragment bookkeeping in ``butter_core.kernels.mma``).
+- ``decode_mma.decode_attention``: the same on tensor cores, for 4-, 6- and 8-bit codes
+  with float16/bfloat16 queries (fragment bookkeeping in ``butter_core.kernels.mma``).
 """
 
 from __future__ import annotations
@@ -140,6 +140,13 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
             {"length": 1, "allocated": 16},
             {"q_heads": 32, "kv_heads": 8, "length": 200, "allocated": 256},
             {"bits": 8, "group_size": 64, "q_heads": 32, "kv_heads": 8, "length": 257, "allocated": 300},
+            {"bits": 6, "group_size": 32, "q_heads": 32, "kv_heads": 8, "length": 257, "allocated": 300},
+            {"bits": 6, "group_size": 64, "head_dim": 256, "q_heads": 12, "kv_heads": 1, "length": 1000,
+             "allocated": 1024, "dtype": mx.float16},
+            {"bits": 6, "group_size": 128, "q_heads": 8, "kv_heads": 2, "length": 3001, "allocated": 3072,
+             "splits": 1, "dtype": mx.float16},
+            {"bits": 6, "group_size": 32, "head_dim": 256, "q_heads": 2, "kv_heads": 2, "length": 40,
+             "allocated": 64, "splits": 5},
             {"group_size": 64, "q_heads": 8, "kv_heads": 8, "length": 1000, "allocated": 1024, "dtype": mx.float16},
             {"bits": 8, "group_size": 128, "q_heads": 24, "kv_heads": 2, "length": 777, "allocated": 800,
              "dtype": mx.float16},

@@ -21,9 +21,16 @@ D/8)``, two keys' words interleaved by byte permutes so a half2 holds one dimens
 two keys. The permutation of dimensions this implies is folded into the query fragments
 (``AffineKPerm``) and undone when the partials are written.
 
-Supported: 4 or 8 bits; head_dim 64, 128 or 256; group sizes 32, 64, 128; float16 or
-bfloat16 queries and scales (float32 and 6-bit codes use ``decode``); any GQA group
-(``HEADS``, a divisor of it up to ``mma.max_heads``, per threadgroup).
+6-bit codes (MLX's byte packing: four codes in three bytes) come in units of three
+words, 16 codes (``codes.AffineUnit``): a lane's key chunk at D = 128 is two units (24
+bytes, three 8-byte loads), its value chunk one (12 bytes); each 3-byte triple is cut
+into half2 pairs by shifts and the same magic-number AND-OR. So D / 8 codes must be
+whole units: head_dim 128 or 256.
+
+Supported: 4, 6 or 8 bits; head_dim 64, 128 or 256 (6 bits: 128 or 256); group sizes 32,
+64, 128; float16 or bfloat16 queries and scales (float32, and 6-bit codes at head_dim 64,
+use ``decode``); any GQA group (``HEADS``, a divisor of it up to ``mma.max_heads``, per
+threadgroup).
 
 Precision: queries (times softmax scale * log2 e), keys, values and probabilities are
 rounded to float16 once each; everything else is float32. Dequantized values must fit
@@ -43,6 +50,12 @@ call takes 63.5 against 63.7 µs (the merge, 6.3 µs alone, overlaps the next ca
 partials). The first defaults took 79.9 µs (affine4) and the first sweep's 73.2;
 read-only loads, two score chains for 8 bits and 264 threadgroups (the tunables below)
 brought it to 63-67.
+
+affine6 (H200, same shapes, side by side with raw SDPA, 2026-11-30): 0.638x raw's time
+at 128k (rounds 0.626-0.700; 82.7 µs) where the float32 kernel takes 1.278x (166.5 µs),
+1.17x at 32k against 1.63x; 160 registers (nvcc 13.0, sm_90a, bf16, 4 heads), no
+spills. Two score chains or one: 0.638x against 0.655x at 128k, 1.168x against 1.115x
+at 32k (within the rounds' spread; two kept, as for 8 bits).
 
 Counted in the sm_90a PTX (nvcc 13.0; 4 bits, 4 heads), a lane spends ~350
 instructions per 16 keys where ``decode`` spends ~850. Registers at the defaults (nvcc
@@ -69,7 +82,7 @@ from butter_affine.kernels.codes import CODE_HELPERS, MMA_CODE_HELPERS
 from butter_affine.kernels.decode import _check_args, decode_attention_reference, make_inputs
 from butter_affine.packing import BUFFERS, PackedFormat
 
-SUPPORTED_BITS = (4, 8)
+SUPPORTED_BITS = (4, 6, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16)
 
@@ -85,7 +98,7 @@ READ_ONLY_LOADS = True
 """Load codes, scales and biases through the read-only data path (``bt_read``: CUDA's
 ``ld.global.nc``). H200, 128k, two runs: affine4 67.2 / 65.5 µs against 77.0 / 71.3
 with plain loads."""
-SCORE_CHAINS = {4: 1, 8: 2}
+SCORE_CHAINS = {4: 1, 6: 2, 8: 2}
 """Accumulators per score product, by code bits: 2 sums even and odd k16 steps apart
 (then adds them), halving the chain of dependent tensor-core instructions for 4 more
 registers per block. H200, 128k, with read-only loads, two runs: affine8 80.4 / 78.2 µs
@@ -159,8 +172,9 @@ BT_FUNC void affine_mma_fetch_values(
   constexpr int STEPS = D / 16;                   // k16 steps of a score product
   constexpr int DT = D / 16;                      // dimension tiles of the value product
   constexpr int KEYS = 16 * KB;
-  constexpr int PAIRS = 32 / BITS / 2;            // half2 per key word
-  constexpr int VPAIRS = 32 / BITS;               // half2 per value word pair
+  constexpr int UNIT = AffineUnit<BITS>::WORDS;   // words per unit of codes (3 at 6 bits, else 1)
+  constexpr int PAIRS = AffineUnit<BITS>::CODES / 2;  // half2 per unit of a key
+  constexpr int VPAIRS = AffineUnit<BITS>::CODES;     // half2 per unit of two keys' values
 
   const SplitKBlock block = splitk_block<HEADS>(
       block_idx, grid_dim, queries_shape[1], key_codes_shape[1], length[0]);
@@ -242,14 +256,14 @@ BT_FUNC void affine_mma_fetch_values(
         bias2[i] = bt_pack_half2(bi, bi);
       }
 #pragma unroll
-      for (int w = 0; w < KW; ++w) {
-        const int grp = (w * (32 / BITS)) / GROUP;  // this word's group within the lane's chunk
+      for (int w = 0; w < KW; w += UNIT) {
+        const int grp = (w / UNIT * AffineUnit<BITS>::CODES) / GROUP;  // this unit's group within the lane's chunk
         uint32_t upper[PAIRS], lower[PAIRS];         // keys g and g + 8
-        affine_key_pairs<BITS>(kw[(b * 2) * KW + w], scale2[grp], bias2[grp], upper);
-        affine_key_pairs<BITS>(kw[(b * 2 + 1) * KW + w], scale2[KG + grp], bias2[KG + grp], lower);
+        affine_key_pairs<BITS>(kw + (b * 2) * KW + w, scale2[grp], bias2[grp], upper);
+        affine_key_pairs<BITS>(kw + (b * 2 + 1) * KW + w, scale2[KG + grp], bias2[KG + grp], lower);
 #pragma unroll
-        for (int h = 0; h < PAIRS / 2; ++h) {  // k16 step w * PAIRS / 2 + h: pairs 2 step, 2 step + 1
-          const int step = w * (PAIRS / 2) + h;
+        for (int h = 0; h < PAIRS / 2; ++h) {  // k16 step: pairs 2 h, 2 h + 1 of the unit
+          const int step = w / UNIT * (PAIRS / 2) + h;
           const uint32_t a[4] = {upper[2 * h], lower[2 * h], upper[2 * h + 1], lower[2 * h + 1]};
 #pragma unroll
           for (int nh = 0; nh < NH; ++nh) {
@@ -290,13 +304,13 @@ BT_FUNC void affine_mma_fetch_values(
       const uint32_t s89 = bt_pack_half2(bt_to_float(vs[b * 4 + 2]), bt_to_float(vs[b * 4 + 3]));
       const uint32_t b89 = bt_pack_half2(bt_to_float(vb[b * 4 + 2]), bt_to_float(vb[b * 4 + 3]));
 #pragma unroll
-      for (int w = 0; w < VW; ++w) {
-        uint32_t near[VPAIRS], far[VPAIRS];  // keys (2q, 2q+1) and (2q+8, 2q+9), per dim of the word
-        affine_value_pairs<BITS>(vw[(b * 4) * VW + w], vw[(b * 4 + 1) * VW + w], s01, b01, near);
-        affine_value_pairs<BITS>(vw[(b * 4 + 2) * VW + w], vw[(b * 4 + 3) * VW + w], s89, b89, far);
+      for (int w = 0; w < VW; w += UNIT) {
+        uint32_t near[VPAIRS], far[VPAIRS];  // keys (2q, 2q+1) and (2q+8, 2q+9), per dim of the unit
+        affine_value_pairs<BITS>(vw + (b * 4) * VW + w, vw + (b * 4 + 1) * VW + w, s01, b01, near);
+        affine_value_pairs<BITS>(vw + (b * 4 + 2) * VW + w, vw + (b * 4 + 3) * VW + w, s89, b89, far);
 #pragma unroll
         for (int u = 0; u < VPAIRS / 2; ++u) {
-          const int t = w * (VPAIRS / 2) + u;
+          const int t = w / UNIT * (VPAIRS / 2) + u;
           const uint32_t a[4] = {near[2 * u], near[2 * u + 1], far[2 * u], far[2 * u + 1]};
 #pragma unroll
           for (int nh = 0; nh < NH; ++nh) {
@@ -364,8 +378,10 @@ def make_check_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
 
 
 def supports(fmt: PackedFormat, queries_dtype: mx.Dtype) -> bool:
-    """Whether this kernel handles this format and query dtype."""
+    """Whether this kernel handles this format and query dtype (6-bit codes: head_dim 128 or
+    256, so that a lane's eighth of a value row is whole 3-word units)."""
     return (fmt.bits in SUPPORTED_BITS and fmt.head_dim in SUPPORTED_HEAD_DIMS
+            and (fmt.bits != 6 or fmt.head_dim % 128 == 0)
             and queries_dtype in SUPPORTED_DTYPES and fmt.dtype in SUPPORTED_DTYPES)
 
 
