@@ -78,6 +78,29 @@ def test_float32_decode_matches_reference(bits, group_size):
     assert relative_error(out, expected) <= 1e-5
 
 
+@pytest.mark.parametrize(("group_size", "head_dim"), [(64, 64), (128, 128)])
+def test_one_group_decode_matches_reference(group_size, head_dim):
+    """The CPU path for 8-bit codes with one group per row (codes cast, scales and biases
+    applied to the products) against the reference, on the CPU stream."""
+    inputs = decode.make_inputs(6, bits=8, group_size=group_size, q_heads=9, kv_heads=3, head_dim=head_dim,
+                                allocated=300, length=257, dtype=mx.float32)
+    buffers = {name: inputs[name] for name in BUFFERS}
+    with mx.stream(mx.cpu):
+        out = ops.one_group_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"])
+        expected = decode.decode_attention_reference(**inputs)
+    assert relative_error(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize(("bits", "group_size", "head_dim", "one_group"),
+                         [(8, 64, 64, True), (8, 64, 128, False), (4, 64, 64, False)])
+def test_cpu_ops_take_the_one_group_path_for_byte_codes_in_one_group(monkeypatch, bits, group_size, head_dim,
+                                                                     one_group):
+    monkeypatch.setattr(ops, "default_device_is_gpu", lambda: False)
+    chosen = ops.select_ops(PackedFormat(bits, group_size, head_dim, mx.float32))
+    assert (chosen.decode is ops.one_group_decode) is one_group
+    assert ops.select_ops(PackedFormat(bits, group_size, head_dim, mx.bfloat16)).decode is None
+
+
 def test_dequantize_reference_reads_only_the_live_slots():
     inputs = decode.make_inputs(1, allocated=64, length=10, dtype=mx.float32)
     keys, values = dequantize.dequantize_kv_reference(*(inputs[n] for n in BUFFERS), length=10, bits=4,
