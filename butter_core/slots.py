@@ -145,12 +145,13 @@ def unstack(arrays: dict[str, mx.array], stacks: Stacks, length: int | None = No
     CPU, MLX 0.32.4)."""
     out = {}
     for key, array in arrays.items():
+        if length is not None:
+            array = array[..., :length, :]  # slots are the second-to-last axis, stacked or not
         members = stacks.get(key)
         if members is None:
-            out[key] = array if length is None else array[:, :, :length]
-            continue
-        for name, part in zip(members, mx.split(array, len(members), axis=0)):
-            out[name] = part.squeeze(0) if length is None else part.squeeze(0)[:, :, :length]
+            out[key] = array
+        else:
+            out.update(zip(members, (part.squeeze(0) for part in mx.split(array, len(members), axis=0))))
     return out
 
 
