@@ -9,6 +9,7 @@ import pytest
 from butter_core.kernels import gpu_backend, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
 from butter_core.slots import unstack
+from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 
 from butter_affine import codec
 from butter_affine import ops
@@ -61,6 +62,7 @@ def test_decode_reference_matches_numpy(dtype, bits, group_size, q_heads, kv_hea
     assert relative_error(out, expected) <= DEFAULT_RTOL[dtype]
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 @pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (6, 32), (8, 64), (4, 128)])
 def test_float32_decode_matches_reference(bits, group_size):
     """The CPU decode path (dequantized keys, ``mx.quantized_matmul`` values) against the
@@ -70,14 +72,13 @@ def test_float32_decode_matches_reference(bits, group_size):
     inputs = decode.make_inputs(5, bits=bits, group_size=group_size, q_heads=8, kv_heads=2, head_dim=128,
                                 allocated=300, length=257, dtype=mx.float32)
     buffers = {name: inputs[name] for name in BUFFERS}
-    with mx.stream(mx.cpu):
-        out = float32_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"], bits=bits,
-                             group_size=group_size,
-                             key_planes=lambda *k: codec.dequantize_planes(*k, bits, mx.float32))
-        expected = decode.decode_attention_reference(**inputs)
+    out = float32_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"], bits=bits,
+                         group_size=group_size, key_planes=lambda *k: codec.dequantize_planes(*k, bits, mx.float32))
+    expected = decode.decode_attention_reference(**inputs)
     assert relative_error(out, expected) <= 1e-5
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 @pytest.mark.parametrize(("group_size", "head_dim"), [(64, 64), (128, 128)])
 def test_one_group_decode_matches_reference(group_size, head_dim):
     """The CPU path for 8-bit codes with one group per row (codes cast, scales and biases
@@ -85,9 +86,8 @@ def test_one_group_decode_matches_reference(group_size, head_dim):
     inputs = decode.make_inputs(6, bits=8, group_size=group_size, q_heads=9, kv_heads=3, head_dim=head_dim,
                                 allocated=300, length=257, dtype=mx.float32)
     buffers = {name: inputs[name] for name in BUFFERS}
-    with mx.stream(mx.cpu):
-        out = ops.one_group_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"])
-        expected = decode.decode_attention_reference(**inputs)
+    out = ops.one_group_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"])
+    expected = decode.decode_attention_reference(**inputs)
     assert relative_error(out, expected) <= 1e-5
 
 

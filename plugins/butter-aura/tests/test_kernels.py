@@ -9,6 +9,7 @@ import pytest
 from butter_core import LayerSpec
 from butter_core.cache import reference_attention
 from butter_core.kernels import gpu_backend, relative_error
+from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 
 from butter_aura import cpu, reference
 from butter_aura.kernels import GPU_OPS, KERNEL_CHECKS, attention, attention_mma, checks, encode, ops_for
@@ -33,31 +34,29 @@ def test_check_cases_are_valid_reference_inputs(check, case):
         assert out.dtype == case.get("dtype", mx.bfloat16)
 
 
+@pytest.mark.usefixtures("on_the_cpu")  # float32 held to 1e-5: a GPU's float32 matmuls need not be exact
 @pytest.mark.parametrize("case", [c for c in KERNEL_CHECKS if c.name == "decode_attention"][0].cases[:5])
 def test_attention_reference_is_attention_over_dequantized_slots(case):
-    """The two references agree: decode attention on the codes == attention over ``dequantize``
-    (in float32 on the CPU stream: a GPU's float32 matmuls need not be exact to 1e-5)."""
-    with mx.stream(mx.cpu):
-        inputs = checks.make_stored(4, **{**case, "dtype": mx.float32})
-        keys, values = reference.dequantize(inputs["stored"], mx.float32)
-        expected = reference_attention(inputs["queries"], keys, values, scale=inputs["scale"])
-        assert relative_error(reference.decode_attention(**inputs), expected) < 1e-5
+    """The two references agree: decode attention on the codes == attention over ``dequantize``."""
+    inputs = checks.make_stored(4, **{**case, "dtype": mx.float32})
+    keys, values = reference.dequantize(inputs["stored"], mx.float32)
+    expected = reference_attention(inputs["queries"], keys, values, scale=inputs["scale"])
+    assert relative_error(reference.decode_attention(**inputs), expected) < 1e-5
 
 
+@pytest.mark.usefixtures("on_the_cpu")  # as above
 def test_full_precision_rows_are_read_instead_of_codes():
-    """With every live slot in the budget, decode attention is exact attention over the rows
-    (on the CPU stream, as above)."""
-    with mx.stream(mx.cpu):
-        inputs = checks.make_stored(5, length=20, allocated=32, dtype=mx.float32, key_bits=2, value_bits=2,
-                                    recent=32)
-        # Slots 4..19 in ring rows 0..15 (make_stored leaves a stale and an empty entry).
-        stored = attrs.evolve(inputs["stored"], recent_slots=mx.array(list(range(4, 20)) + [-1] * 16, dtype=mx.int32))
-        inputs["stored"] = stored
-        member, row = stored.full_precision_map()
-        assert member.tolist() == [True] * 20
-        expected = reference_attention(inputs["queries"], mx.take(stored.fp_keys, row, axis=2),
-                                       mx.take(stored.fp_values, row, axis=2), scale=inputs["scale"])
-        assert relative_error(reference.decode_attention(**inputs), expected) < 1e-5
+    """With every live slot in the budget, decode attention is exact attention over the rows."""
+    inputs = checks.make_stored(5, length=20, allocated=32, dtype=mx.float32, key_bits=2, value_bits=2, recent=32)
+    # Slots 4..19 in ring rows 0..15 (make_stored leaves a stale and an empty entry).
+    stored = attrs.evolve(inputs["stored"], recent_slots=mx.array(list(range(4, 20)) + [-1] * 16, dtype=mx.int32))
+    inputs["stored"] = stored
+    member, row = stored.full_precision_map()
+    assert member.tolist() == [True] * 20
+    expected = reference_attention(
+        inputs["queries"], mx.take(stored.fp_keys, row, axis=2), mx.take(stored.fp_values, row, axis=2), scale=inputs["scale"]
+    )
+    assert relative_error(reference.decode_attention(**inputs), expected) < 1e-5
 
 
 def test_caches_without_a_kernel_use_the_cpu_path():

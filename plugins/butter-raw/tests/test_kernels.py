@@ -8,6 +8,7 @@ import pytest
 
 from butter_core.kernels import gpu_backend, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
+from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 from butter_raw import kernels
 from butter_raw.kernels import (
     KERNEL_CHECKS,
@@ -52,6 +53,7 @@ def test_check_cases_are_valid_reference_inputs(check, case):
     assert out.dtype == case.get("dtype", mx.bfloat16)
 
 
+@pytest.mark.usefixtures("on_the_cpu")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (8, 2), (12, 2), (32, 8)])
 @pytest.mark.parametrize(("length", "allocated"), [(1, 8), (37, 64), (200, 256), (256, 256)])
@@ -60,17 +62,16 @@ def test_attention_reference_matches_numpy(dtype, q_heads, kv_heads, length, all
     not be exact to 1e-5 (on the H200 the float32 cases failed at 3.5e-4)."""
     inputs = make_attention_inputs(3, q_heads=q_heads, kv_heads=kv_heads, head_dim=64,
                                    allocated=allocated, length=length, dtype=dtype)
-    with mx.stream(mx.cpu):
-        out = sdpa_decode_reference(**inputs)
+    out = sdpa_decode_reference(**inputs)
     assert out.shape == inputs["queries"].shape and out.dtype == dtype
     expected = mx.array(numpy_attention(**inputs).astype(np.float32))
     assert relative_error(out, expected) <= DEFAULT_RTOL[dtype]
 
 
+@pytest.mark.usefixtures("on_the_cpu")  # as above
 def test_attention_reference_batches_independently():
     inputs = make_attention_inputs(5, batch=2, length=40, allocated=48, dtype=mx.float32)
-    with mx.stream(mx.cpu):
-        out = sdpa_decode_reference(**inputs)
+    out = sdpa_decode_reference(**inputs)
     expected = mx.array(numpy_attention(**inputs).astype(np.float32))
     assert relative_error(out, expected) <= DEFAULT_RTOL[mx.float32]
 
