@@ -5,7 +5,9 @@ float32), each cache holding ``--context`` random positions. Times one token's a
 for all layers, one query's attention for all layers, and both (``update_and_attend``),
 medians of 20, each evaluated as one graph. For butter-affine it also times the other
 two single-token paths on the same caches: the reference dequantize + SDPA, and
-``mx.dequantize`` + SDPA. Schemes alternate twice (this machine is noisy).
+``mx.dequantize`` + SDPA; for raw, MLX's ``mx.fast.scaled_dot_product_attention`` on the
+same keys and values in place of ``butter_core.cpu_attention``. Schemes alternate twice
+(this machine is noisy).
 
 Usage: ``python bench/cpu_decode_paths.py [--context 1024] [--kv-cache raw,affine8]``
 """
@@ -73,6 +75,11 @@ def main() -> None:
                 cache.ops = attrs.evolve(cache.ops, decode=None)
             reference = median_ms(lambda: mx.eval([c.attention(q, scale=scale, mask=None) for c in caches]))
             line += f"  | attention by reference dequantize+SDPA {reference:6.2f}, mx.dequantize+SDPA {dequant:6.2f}"
+        elif name == "raw":
+            loaded = [c.load(c.length) for c in caches]
+            sdpa = median_ms(lambda: mx.eval([mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+                                              for k, v in loaded]))
+            line += f"  | attention by mx.fast.scaled_dot_product_attention {sdpa:6.2f}"
         print(line, flush=True)
 
 

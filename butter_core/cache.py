@@ -24,6 +24,7 @@ from typing import Literal
 import attrs
 import mlx.core as mx
 
+from butter_core import cpu_attention
 from butter_core.errors import ConfigError
 
 Mask = None | Literal["causal"] | mx.array
@@ -73,7 +74,10 @@ def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, *, 
 
 
 def attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask = None) -> mx.array:
-    """MLX's fused attention, computed in the wider of the query and key dtypes, returned in the queries' dtype."""
+    """MLX's fused attention, computed in the wider of the query and key dtypes, returned in the queries'
+    dtype; a float32 decode step on the CPU takes ``cpu_attention.decode_attention`` instead."""
+    if cpu_attention.serves(queries, keys, values, mask):
+        return cpu_attention.decode_attention(queries, keys, values, scale=scale)
     if keys.dtype == queries.dtype:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     wide = mx.float32 if keys.dtype.size == queries.dtype.size else max(queries.dtype, keys.dtype, key=lambda d: d.size)

@@ -28,7 +28,12 @@ bytes (affine8 at head_dim 64, butter's default model), nothing needs dequantizi
 scores are ``s (q · c) + b Σq`` and the output ``(w s) · c + w · b``, from codes only cast
 to float32 (``one_group_decode``); end to end on the default model at 1k, 5 interleaved
 rounds, affine8 decoded at 0.84-0.91x raw's tok/s this way against 0.74-0.87x (median
-0.853x against 0.802x; 2026-11-30). The same algebra with several groups per row (per-group
+0.853x against 0.802x; 2026-11-30). Both CPU decode paths take their products with the
+keys as rows and their softmax in base 2, as ``butter_core.cpu_attention`` does for raw:
+30 default-model layers, context 1k / 4k, alternating processes with the form before
+(``bench/cpu_decode_paths.py``, 2026-12-01): affine8 11.7-11.9 ms against 13.2-13.8 at
+1k (no change at 4k, 42-44); affine4 16.9-17.1 against 18.9-19.0, 54.4 against 63.0-63.3.
+The same algebra with several groups per row (per-group
 products through a block-diagonal query) made affine4 slower (0.65-0.76x against
 0.78-0.88x), so other formats keep the planes. In bf16, ``mx.quantized_matmul`` computes in
 bf16 (3e-2 relative error against the float32 reference), so other dtypes dequantize to
@@ -59,6 +64,7 @@ from functools import cache, partial, reduce
 import attrs
 import mlx.core as mx
 
+from butter_core.cpu_attention import LOG2E, softmax_log2
 from butter_core.kernels import default_device_is_gpu, gpu_backend
 
 from butter_affine import codec
@@ -158,18 +164,24 @@ def one_group_decode(queries: mx.array, buffers: Buffers, length: int, scale: fl
     """Single-token attention over float32 8-bit codes with one scale and bias per row, on
     the CPU, from the codes themselves: with row ``i``'s code bytes ``c_i`` (only cast to
     float32), ``q · k_i = s_i (q · c_i) + b_i Σq`` and ``Σ_i w_i v_i = (w s) · c + w · b``:
-    two matmuls on the cast codes and a few products the size of the scores."""
-    batch, q_heads, _, dims = queries.shape
-    kv_heads = buffers["key_codes"].shape[1]
-    live = {name: array[:, :, :length] for name, array in buffers.items()}
-    q = (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    two matmuls on the cast codes and a few products the size of the scores. Products
+    and softmax in ``butter_core.cpu_attention``'s form (keys as rows, base 2)."""
+    q, live = _grouped_queries(queries, buffers, length, scale)
     keys = mx.view(live["key_codes"], mx.uint8).astype(mx.float32)
-    scores = ((q @ keys.swapaxes(-1, -2)) * live["key_scales"].swapaxes(-1, -2)
-              + q.sum(axis=-1, keepdims=True) * live["key_biases"].swapaxes(-1, -2))
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    scores = (keys @ q.swapaxes(-1, -2)) * live["key_scales"] + live["key_biases"] * q.sum(axis=-1)[..., None, :]
+    weights = softmax_log2(scores.swapaxes(-1, -2))
     values = mx.view(live["value_codes"], mx.uint8).astype(mx.float32)
     out = (weights * live["value_scales"].swapaxes(-1, -2)) @ values + weights @ live["value_biases"]
-    return out.reshape(batch, q_heads, 1, dims)
+    return out.reshape(queries.shape)
+
+
+def _grouped_queries(queries: mx.array, buffers: Buffers, length: int, scale: float) -> tuple[mx.array, Buffers]:
+    """The queries times ``scale · log2 e`` as ``[batch, kv_heads, group, head_dim]``, and views of
+    the live slots of every buffer."""
+    batch, q_heads, _, dims = queries.shape
+    kv_heads = buffers["key_codes"].shape[1]
+    q = (queries * (scale * LOG2E)).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    return q, {name: array[:, :, :length] for name, array in buffers.items()}
 
 
 def float32_decode(
@@ -183,16 +195,13 @@ def float32_decode(
 
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
     ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements."""
-    batch, q_heads, _, dims = queries.shape
-    kv_heads = buffers["key_codes"].shape[1]
-    live = {name: array[:, :, :length] for name, array in buffers.items()}
-    q = (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    q, live = _grouped_queries(queries, buffers, length, scale)
     planes = key_planes(live["key_codes"], live["key_scales"], live["key_biases"])
     n = len(planes)
-    scores = reduce(mx.add, [q[..., k::n] @ plane.swapaxes(-1, -2) for k, plane in enumerate(planes)])
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    scores = reduce(mx.add, [plane @ q[..., k::n].swapaxes(-1, -2) for k, plane in enumerate(planes)])
+    weights = softmax_log2(scores.swapaxes(-1, -2))
     out = mx.quantized_matmul(
         weights, live["value_codes"], live["value_scales"], live["value_biases"],
         transpose=False, group_size=group_size, bits=bits,
     )
-    return out.reshape(batch, q_heads, 1, dims)
+    return out.reshape(queries.shape)

@@ -15,7 +15,9 @@ class RawCache(BufferedSlotCache):
     model's whole context, so a short chat on a 128k-context model holds what it uses;
     at most 255 positions are allocated but not live. Appends write in place through
     MLX slice assignment (buffer donation); attention is MLX's fused SDPA over the live
-    slice, which measured faster than a custom kernel (docs/benchmarks.md).
+    slice, which measured faster than a custom kernel (docs/benchmarks.md), except for a
+    float32 decode step on the CPU, where MLX's SDPA has no fused kernel and
+    ``butter_core.cpu_attention`` is faster (``butter_core.cache.attend`` chooses).
     """
 
     def __init__(self, spec: LayerSpec, kind: Raw):

@@ -1,0 +1,61 @@
+"""Single-token attention on MLX's CPU in float32: a decode step's attention where no GPU runs it.
+
+MLX's ``mx.fast.scaled_dot_product_attention`` has no fused CPU kernel: on the CPU it
+computes ``softmax(q kᵀ) v`` with plain ops (its result equals that of matmul, softmax,
+matmul exactly), and on a 2-core x86 machine it pays for that form twice over
+(``bench/cpu_decode_paths.py --kv-cache raw``: 30 layers shaped like the default model's,
+9 query / 3 KV heads, head_dim 64, MLX 0.32.4, 2-core x86, 2026-12-01: MLX's SDPA takes
+7.1-7.4 ms per token at 1k and 35.0-36.6 at 4k, where this module takes 6.5 and 20.0):
+
+* the query heads of one KV head are the columns of one product, keys as rows
+  (``keys @ qᵀ``): BLAS's small-row products took twice as long the other way round;
+* the softmax exponentiates in base 2 with ``log2 e`` folded into the query scale:
+  MLX's CPU ``mx.exp`` costs ~12 ns per element there, ``mx.power(2, x)`` ~4.4.
+
+Schemes that compute their own scores (from codes) use ``softmax_log2`` for the same
+saving.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+LOG2E = math.log2(math.e)
+"""Scores times this are in log2 units: ``exp(s) == 2 ** (s * LOG2E)``."""
+
+LOWEST_EXPONENT = -126.0
+"""Shifted scores are clamped here, ``2 ** -126`` being float32's smallest normal number:
+below it MLX's CPU ``power`` takes a slow path (15-17 ns per element). A clamped weight
+grows by at most 1.2e-38, which no float32 sum of weights (at least 1) can show."""
+
+
+def softmax_log2(scores: mx.array) -> mx.array:
+    """``softmax`` over the last axis of float32 ``scores`` given in log2 units (natural-log
+    scores times ``LOG2E``), computed as ``2 ** (s - max) / Σ 2 ** (s - max)``."""
+    shifted = mx.maximum(scores - scores.max(axis=-1, keepdims=True), LOWEST_EXPONENT)
+    weights = mx.power(2.0, shifted)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def serves(queries: mx.array, keys: mx.array, values: mx.array, mask) -> bool:
+    """Whether ``decode_attention`` is the way to attend here: one query token, no mask,
+    float32 throughout, on the CPU."""
+    return (
+        queries.shape[2] == 1
+        and mask is None
+        and mx.default_device().type == mx.cpu
+        and queries.dtype == keys.dtype == values.dtype == mx.float32
+    )
+
+
+def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float) -> mx.array:
+    """``softmax(q kᵀ · scale) v`` for one query token ``[batch, q_heads, 1, head_dim]`` over
+    ``[batch, kv_heads, length, head_dim]`` keys and values (``q_heads`` a multiple of
+    ``kv_heads``), in float32."""
+    batch, q_heads, _, dims = queries.shape
+    kv_heads = keys.shape[1]
+    q = (queries * (scale * LOG2E)).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    scores = (keys @ q.swapaxes(-1, -2)).swapaxes(-1, -2)
+    return (softmax_log2(scores) @ values).reshape(batch, q_heads, 1, dims)
