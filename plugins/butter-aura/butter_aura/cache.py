@@ -16,7 +16,8 @@ from butter_aura.rotation import Rotation, layer_seed
 from butter_aura.stored import StoredLayer
 
 FULL_PRECISION_ARRAYS = ("fp_keys", "fp_values", "recent_slots")
-"""State arrays beside the slot buffers: the full-precision rows and which slots they hold."""
+"""State arrays beside the slot buffers: the full-precision rows and which slots they hold
+(the cache keeps the last on the host: ``AuraCache._recent``)."""
 
 
 class AuraCache(BufferedSlotCache):
@@ -63,8 +64,11 @@ class AuraCache(BufferedSlotCache):
         self.rotation = Rotation(layer_seed(seed, spec.layer_index), spec.n_kv_heads, spec.head_dim)
         self.ops = ops or reference
         self._fp = self._empty_full_precision()
-        self._recent_host = [-1] * self.budget.ring
-        """Host mirror of ``recent_slots`` (``StoredLayer.recent_host``): its range and slots without a device sync."""
+        self._recent = [-1] * self.budget.ring
+        """Which slot each recent-ring row holds (-1: none), kept on the host only: ``stored`` makes
+        the ``recent_slots`` array kernels read from it, so a decode step updates no device
+        array for it (one kernel launch fewer per layer than a slice assignment), and the
+        CPU path and the kernels' ring bounds read it without a device sync."""
         self._pending: tuple[int, mx.array, mx.array] | None = None
         self._unencoded: list[int] = []
         """Recent-ring slots whose codes are not written yet (``store``); each is in the ring."""
@@ -74,11 +78,7 @@ class AuraCache(BufferedSlotCache):
     def _empty_full_precision(self) -> dict[str, mx.array]:
         s, rows = self.spec, self.budget.rows
         shape = (s.batch_size, s.n_kv_heads, rows, s.head_dim)
-        arrays = {
-            "fp_keys": mx.zeros(shape, self.fp_dtype),
-            "fp_values": mx.zeros(shape, self.fp_dtype),
-            "recent_slots": mx.full((self.budget.ring,), -1, mx.int32),
-        }
+        arrays = {"fp_keys": mx.zeros(shape, self.fp_dtype), "fp_values": mx.zeros(shape, self.fp_dtype)}
         # Materialised at once (a few KB): slice assignment into a lazy broadcast of
         # zeros would keep hidden copies alive.
         mx.eval(arrays)
@@ -96,7 +96,7 @@ class AuraCache(BufferedSlotCache):
         token itself (``_defers`` asks that the ring's dtype be the keys')."""
         if self._defers(start, keys):
             self.slots.reserve(start + 1, live=self.length)
-            held = self._recent_host[self.budget.row_of(start) - self.budget.sinks]
+            held = self._recent[self.budget.row_of(start) - self.budget.sinks]
             if held != start and held in self._unencoded:
                 self._encode_unencoded()
             self._keep_full_precision(start, keys, values)
@@ -153,9 +153,7 @@ class AuraCache(BufferedSlotCache):
             rows = slice(sinks + residue, sinks + residue + n)
             fp["fp_keys"][:, :, rows] = keys[:, :, first - start : stop - start].astype(self.fp_dtype)
             fp["fp_values"][:, :, rows] = values[:, :, first - start : stop - start].astype(self.fp_dtype)
-            # From the host: an mx.arange would be one more kernel launch per token.
-            fp["recent_slots"][residue : residue + n] = mx.array(list(range(first, stop)), dtype=mx.int32)
-            self._recent_host[residue : residue + n] = range(first, stop)
+            self._recent[residue : residue + n] = range(first, stop)
             first = stop
 
     def stored(self, length: int | None = None) -> StoredLayer:
@@ -169,13 +167,13 @@ class AuraCache(BufferedSlotCache):
             value_scales=slots["value_scales"],
             fp_keys=self._fp["fp_keys"],
             fp_values=self._fp["fp_values"],
-            recent_slots=self._fp["recent_slots"],
+            recent_slots=mx.array(self._recent, dtype=mx.int32),
             length=length,
             sinks=self.budget.sinks,
             key_codec=self.key_codec,
             value_codec=self.value_codec,
             rotation=self.rotation,
-            recent_host=tuple(self._recent_host),
+            recent_host=tuple(self._recent),
         )
 
     def load(self, length):
@@ -206,13 +204,12 @@ class AuraCache(BufferedSlotCache):
 
     def export_slots(self, length):
         self._encode_unencoded()
-        recent = self._fp["recent_slots"]
         return {
             **super().export_slots(length),
             # Copies: the cache keeps updating its own arrays in place.
             "fp_keys": mx.array(self._fp["fp_keys"]),
             "fp_values": mx.array(self._fp["fp_values"]),
-            "recent_slots": mx.where(recent < length, recent, -1),
+            "recent_slots": mx.array([slot if slot < length else -1 for slot in self._recent], dtype=mx.int32),
         }
 
     def import_slots(self, arrays, length):
@@ -222,16 +219,17 @@ class AuraCache(BufferedSlotCache):
                 f"AuraCache state needs {FULL_PRECISION_ARRAYS} beside its slot arrays; got {sorted(arrays)}: "
                 "it was exported by another kind of cache"
             )
-        expected = self._empty_full_precision()
+        expected = {name: (array.shape, array.dtype) for name, array in self._empty_full_precision().items()}
+        expected["recent_slots"] = ((self.budget.ring,), mx.int32)
         for name, array in fp.items():
-            if array.shape != expected[name].shape:
+            if array.shape != expected[name][0]:
                 raise ConfigError(
-                    f"AuraCache state array {name} has shape {array.shape}, this cache holds {expected[name].shape}: "
+                    f"AuraCache state array {name} has shape {array.shape}, this cache holds {expected[name][0]}: "
                     "it was exported by a cache of another shape or capacity"
                 )
         super().import_slots({k: v for k, v in arrays.items() if k not in FULL_PRECISION_ARRAYS}, length)
-        self._fp = {name: mx.array(array).astype(expected[name].dtype) for name, array in fp.items()}
-        self._recent_host = self._fp["recent_slots"].tolist()
+        self._fp = {name: mx.array(fp[name]).astype(expected[name][1]) for name in ("fp_keys", "fp_values")}
+        self._recent = fp["recent_slots"].astype(mx.int32).tolist()
         self._pending = None
         self._unencoded = []
 
@@ -257,5 +255,14 @@ class AuraCache(BufferedSlotCache):
         return super().buffers() + list(self._fp.values()) + self.rotation.arrays()
 
     @property
+    def nbytes_allocated(self) -> int:
+        return super().nbytes_allocated + self._recent_nbytes
+
+    @property
     def nbytes_live(self) -> int:
-        return super().nbytes_live + sum(array.nbytes for array in self._fp.values())
+        return super().nbytes_live + sum(array.nbytes for array in self._fp.values()) + self._recent_nbytes
+
+    @property
+    def _recent_nbytes(self) -> int:
+        """Bytes of the ``recent_slots`` array ``stored`` makes (int32 per ring row), counted as held."""
+        return 4 * self.budget.ring
