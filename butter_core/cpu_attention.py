@@ -9,21 +9,32 @@ matmul exactly), and on a 2-core x86 machine it pays for that form twice over
 
 * the query heads of one KV head are the columns of one product, keys as rows
   (``keys @ qᵀ``): BLAS's small-row products took twice as long the other way round;
-* the softmax exponentiates in base 2 with ``log2 e`` folded into the query scale:
-  MLX's CPU ``mx.exp`` costs ~12 ns per element there, ``mx.power(2, x)`` ~4.4.
+* from ``POWER_MIN_KEYS`` keys the softmax exponentiates in base 2 with ``log2 e`` folded
+  into the query scale: MLX's CPU ``mx.exp`` costs ~12 ns per element there,
+  ``mx.power(2, x)`` ~4.4.
 
-Schemes that compute their own scores (from codes) use ``softmax_log2`` for the same
-saving.
+Schemes that compute their own scores (from codes) take their softmax from
+``softmax_for`` for the same saving.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 
 LOG2E = math.log2(math.e)
 """Scores times this are in log2 units: ``exp(s) == 2 ** (s * LOG2E)``."""
+
+POWER_MIN_KEYS = 512
+"""From this many keys ``softmax_for`` takes ``softmax_log2``; below it, where MLX's per-op
+cost outweighs its per-element cost, ``mx.softmax`` (one op, not six). This module's
+attention with one softmax or the other, per token for 30 default-model layers (scratch
+script, 2026-12-01; ms): at 16 / 64 keys 1.12-1.13 / 1.17-1.22 with the power form
+against 0.56-0.58 / 0.76-0.79 with ``mx.softmax`` (MLX's SDPA 0.61-0.63 / 0.82-0.88), at
+256 2.10-2.36 against 1.93-2.31, at 512 3.77-3.85 against 3.86-4.05, at 1024 6.22-6.46
+against 7.17-7.26."""
 
 LOWEST_EXPONENT = -126.0
 """Shifted scores are clamped here, ``2 ** -126`` being float32's smallest normal number:
@@ -33,10 +44,25 @@ grows by at most 1.2e-38, which no float32 sum of weights (at least 1) can show.
 
 def softmax_log2(scores: mx.array) -> mx.array:
     """``softmax`` over the last axis of float32 ``scores`` given in log2 units (natural-log
-    scores times ``LOG2E``), computed as ``2 ** (s - max) / Σ 2 ** (s - max)``."""
+    scores times ``LOG2E``), computed as ``2 ** (s - max) / Σ 2 ** (s - max)`` with the
+    shifted scores clamped at ``LOWEST_EXPONENT`` (a score of -inf, a masked slot, weighs
+    2^-126 of the largest one's weight, not 0)."""
     shifted = mx.maximum(scores - scores.max(axis=-1, keepdims=True), LOWEST_EXPONENT)
     weights = mx.power(2.0, shifted)
     return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def softmax_for(length: int) -> tuple[float, Callable[[mx.array], mx.array]]:
+    """How to take a softmax over ``length`` keys: a factor for natural-log scores (fold it
+    into the query scale) and the softmax over the last axis of scores times it:
+    ``(LOG2E, softmax_log2)`` from ``POWER_MIN_KEYS`` keys, else ``(1, mx.softmax)``."""
+    if length >= POWER_MIN_KEYS:
+        return LOG2E, softmax_log2
+    return 1.0, _softmax
+
+
+def _softmax(scores: mx.array) -> mx.array:
+    return mx.softmax(scores, axis=-1)
 
 
 def serves(queries: mx.array, keys: mx.array, values: mx.array, mask) -> bool:
@@ -56,6 +82,7 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, *, sca
     ``kv_heads``), in float32."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = keys.shape[1]
-    q = (queries * (scale * LOG2E)).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    factor, softmax = softmax_for(keys.shape[2])
+    q = (queries * (scale * factor)).reshape(batch, kv_heads, q_heads // kv_heads, dims)
     scores = (keys @ q.swapaxes(-1, -2)).swapaxes(-1, -2)
-    return (softmax_log2(scores) @ values).reshape(batch, q_heads, 1, dims)
+    return (softmax(scores) @ values).reshape(batch, q_heads, 1, dims)

@@ -60,3 +60,13 @@ def test_attend_takes_it_only_for_one_float32_token_without_mask():
     q = mx.random.normal((1, 2, 1, 8), key=mx.random.key(5))
     assert mx.allclose(attend(q, v, v, scale=0.3), reference_attention(q, v, v, scale=0.3), atol=1e-6).item()
 
+
+
+def test_short_rows_take_mx_softmax_and_long_ones_base_2():
+    assert cpu_attention.softmax_for(cpu_attention.POWER_MIN_KEYS - 1)[0] == 1.0
+    factor, softmax = cpu_attention.softmax_for(cpu_attention.POWER_MIN_KEYS)
+    assert (factor, softmax) == (cpu_attention.LOG2E, cpu_attention.softmax_log2)
+    scores = mx.random.normal((2, 3, 40), key=mx.random.key(6)) * 5
+    for length in (40, cpu_attention.POWER_MIN_KEYS):
+        factor, softmax = cpu_attention.softmax_for(length)
+        assert mx.allclose(softmax(scores * factor), mx.softmax(scores, axis=-1), atol=1e-7, rtol=1e-5).item()

@@ -64,7 +64,7 @@ from functools import cache, partial, reduce
 import attrs
 import mlx.core as mx
 
-from butter_core.cpu_attention import LOG2E, softmax_log2
+from butter_core.cpu_attention import softmax_for
 from butter_core.kernels import default_device_is_gpu, gpu_backend
 
 from butter_affine import codec
@@ -165,22 +165,23 @@ def one_group_decode(queries: mx.array, buffers: Buffers, length: int, scale: fl
     the CPU, from the codes themselves: with row ``i``'s code bytes ``c_i`` (only cast to
     float32), ``q · k_i = s_i (q · c_i) + b_i Σq`` and ``Σ_i w_i v_i = (w s) · c + w · b``:
     two matmuls on the cast codes and a few products the size of the scores. Products
-    and softmax in ``butter_core.cpu_attention``'s form (keys as rows, base 2)."""
-    q, live = _grouped_queries(queries, buffers, length, scale)
+    and softmax in ``butter_core.cpu_attention``'s form (keys as rows, ``softmax_for``)."""
+    factor, softmax = softmax_for(length)
+    q, live = _grouped_queries(queries, buffers, length, scale * factor)
     keys = mx.view(live["key_codes"], mx.uint8).astype(mx.float32)
     scores = (keys @ q.swapaxes(-1, -2)) * live["key_scales"] + live["key_biases"] * q.sum(axis=-1)[..., None, :]
-    weights = softmax_log2(scores.swapaxes(-1, -2))
+    weights = softmax(scores.swapaxes(-1, -2))
     values = mx.view(live["value_codes"], mx.uint8).astype(mx.float32)
     out = (weights * live["value_scales"].swapaxes(-1, -2)) @ values + weights @ live["value_biases"]
     return out.reshape(queries.shape)
 
 
 def _grouped_queries(queries: mx.array, buffers: Buffers, length: int, scale: float) -> tuple[mx.array, Buffers]:
-    """The queries times ``scale · log2 e`` as ``[batch, kv_heads, group, head_dim]``, and views of
-    the live slots of every buffer."""
+    """The queries times ``scale`` as ``[batch, kv_heads, group, head_dim]``, and views of the
+    live slots of every buffer."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = buffers["key_codes"].shape[1]
-    q = (queries * (scale * LOG2E)).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    q = (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
     return q, {name: array[:, :, :length] for name, array in buffers.items()}
 
 
@@ -195,11 +196,12 @@ def float32_decode(
 
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
     ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements."""
-    q, live = _grouped_queries(queries, buffers, length, scale)
+    factor, softmax = softmax_for(length)
+    q, live = _grouped_queries(queries, buffers, length, scale * factor)
     planes = key_planes(live["key_codes"], live["key_scales"], live["key_biases"])
     n = len(planes)
     scores = reduce(mx.add, [plane @ q[..., k::n].swapaxes(-1, -2) for k, plane in enumerate(planes)])
-    weights = softmax_log2(scores.swapaxes(-1, -2))
+    weights = softmax(scores.swapaxes(-1, -2))
     out = mx.quantized_matmul(
         weights, live["value_codes"], live["value_scales"], live["value_biases"],
         transpose=False, group_size=group_size, bits=bits,

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import attrs
 import mlx.core as mx
 
-from butter_core.cpu_attention import LOG2E, softmax_log2
+from butter_core.cpu_attention import softmax_for
 
 from butter_aura import packing
 from butter_aura.codebooks import Codebook
@@ -284,8 +284,9 @@ def decode_attention(queries: mx.array, stored: StoredLayer, scale: float) -> mx
     Accumulates in float32; returns the queries' dtype. One softmax over two parts
     (either may be empty, and is then skipped): the codes of the span of slots between
     the sinks and the recent ring (``_coded_part``) and the full-precision rows
-    (``_full_precision_part``). The softmax is ``butter_core.cpu_attention.softmax_log2``
-    (base 2, the scores scaled by ``scale · log2 e``; 2.6x cheaper per element there).
+    (``_full_precision_part``). The softmax is ``butter_core.cpu_attention.softmax_for``'s
+    (from 512 slots in base 2, the scores scaled by ``scale · log2 e``: 2.6x cheaper per
+    element on MLX's CPU).
     """
     batch, q_heads, tokens, dims = queries.shape
     kv_heads, length = stored.key_codes.shape[1], stored.length
@@ -294,12 +295,13 @@ def decode_attention(queries: mx.array, stored: StoredLayer, scale: float) -> mx
     q = queries.astype(mx.float32).reshape(batch, kv_heads, q_heads // kv_heads, dims)
     slots, rows = stored.full_precision_slots()
     first, stop = _coded_span(slots, length)
+    factor, softmax = softmax_for(length)
     parts = []
     if first < stop:
-        parts.append(_coded_part(q, stored, first, stop, slots, scale * LOG2E))
+        parts.append(_coded_part(q, stored, first, stop, slots, scale * factor))
     if rows:
-        parts.append(_full_precision_part(q, stored, rows, scale * LOG2E))
-    weights = softmax_log2(mx.concatenate([scores for scores, _ in parts], axis=-1))
+        parts.append(_full_precision_part(q, stored, rows, scale * factor))
+    weights = softmax(mx.concatenate([scores for scores, _ in parts], axis=-1))
     bounds = list(itertools.accumulate(scores.shape[-1] for scores, _ in parts))[:-1]
     sums = [weighted_values(w) for (_, weighted_values), w in zip(parts, mx.split(weights, bounds, axis=-1))]
     return functools.reduce(mx.add, sums).reshape(queries.shape).astype(queries.dtype)
