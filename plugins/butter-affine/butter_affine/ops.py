@@ -35,7 +35,9 @@ keys as rows and their softmax in base 2, as ``butter_core.cpu_attention`` does 
 1k (no change at 4k, 42-44); affine4 16.9-17.1 against 18.9-19.0, 54.4 against 63.0-63.3.
 The same algebra with several groups per row (per-group
 products through a block-diagonal query) made affine4 slower (0.65-0.76x against
-0.78-0.88x), so other formats keep the planes. In bf16, ``mx.quantized_matmul`` computes in
+0.78-0.88x), and affine8 with two groups per row (head_dim 128, group 64; 28 layers of
+8 KV / 16 query heads at 1k, scratch script, 2026-12-01) slower too: 84.3-86.3 ms per
+token against 53.8-62.5 for the planes; so other formats keep the planes. In bf16, ``mx.quantized_matmul`` computes in
 bf16 (3e-2 relative error against the float32 reference), so other dtypes dequantize to
 float32 and use SDPA.
 
