@@ -79,12 +79,14 @@ def test_float32_decode_matches_reference(bits, group_size):
 
 
 @pytest.mark.usefixtures("on_the_cpu")
-@pytest.mark.parametrize(("group_size", "head_dim"), [(64, 64), (128, 128)])
-def test_one_group_decode_matches_reference(group_size, head_dim):
+@pytest.mark.parametrize(("group_size", "head_dim", "allocated", "length"),
+                         [(64, 64, 300, 257), (128, 128, 300, 257), (64, 64, 700, 600), (64, 64, 512, 512)])
+def test_one_group_decode_matches_reference(group_size, head_dim, allocated, length):
     """The CPU path for 8-bit codes with one group per row (codes cast, scales and biases
-    applied to the products) against the reference, on the CPU stream."""
+    applied to the products, over every allocated slot: the stale ones hold 1e3 and weigh
+    0) against the reference, on the CPU stream, with each of ``softmax_for``'s softmaxes."""
     inputs = decode.make_inputs(6, bits=8, group_size=group_size, q_heads=9, kv_heads=3, head_dim=head_dim,
-                                allocated=300, length=257, dtype=mx.float32)
+                                allocated=allocated, length=length, dtype=mx.float32)
     buffers = {name: inputs[name] for name in BUFFERS}
     out = ops.one_group_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"])
     expected = decode.decode_attention_reference(**inputs)
