@@ -29,17 +29,17 @@ scores are ``s (q · c) + b Σq`` and the output ``(w s) · c + w · b``, from c
 to float32 (``one_group_decode``); end to end on the default model at 1k, 5 interleaved
 rounds, affine8 decoded at 0.84-0.91x raw's tok/s this way against 0.74-0.87x (median
 0.853x against 0.802x; 2026-11-30). Both CPU decode paths take their products with the
-keys as rows and their softmax in base 2, as ``butter_core.cpu_attention`` does for raw:
-30 default-model layers, context 1k / 4k, alternating processes with the form before
-(``bench/cpu_decode_paths.py``, 2026-12-01): affine8 11.7-11.9 ms against 13.2-13.8 at
-1k (no change at 4k, 42-44); affine4 16.9-17.1 against 18.9-19.0, 54.4 against 63.0-63.3.
-The same algebra with several groups per row (per-group
-products through a block-diagonal query) made affine4 slower (0.65-0.76x against
-0.78-0.88x), and affine8 with two groups per row (head_dim 128, group 64; 28 layers of
-8 KV / 16 query heads at 1k, scratch script, 2026-12-01) slower too: 84.3-86.3 ms per
-token against 53.8-62.5 for the planes; so other formats keep the planes. In bf16, ``mx.quantized_matmul`` computes in
-bf16 (3e-2 relative error against the float32 reference), so other dtypes dequantize to
-float32 and use SDPA.
+keys as rows and their softmax from ``butter_core.cpu_attention.softmax_for`` (base 2 from
+512 keys), as raw's CPU decode does: 30 default-model layers, context 1k / 4k,
+alternating processes with the form before (``bench/cpu_decode_paths.py``, 2026-12-01):
+affine8 11.7-11.9 ms against 13.2-13.8 at 1k (no change at 4k, 42-44); affine4
+16.9-17.1 against 18.9-19.0, 54.4 against 63.0-63.3. The same algebra with several
+groups per row (per-group products through a block-diagonal query) made affine4 slower
+(0.65-0.76x against 0.78-0.88x), and affine8 with two groups per row (head_dim 128,
+group 64; 28 layers of 8 KV / 16 query heads at 1k, scratch script, 2026-12-01) slower
+too: 84.3-86.3 ms per token against 53.8-62.5 for the planes; so other formats keep the
+planes. In bf16, ``mx.quantized_matmul`` computes in bf16 (3e-2 relative error against
+the float32 reference), so other dtypes dequantize to float32 and use SDPA.
 
 CUDA (H200, bf16, 32/8 heads, D=128, amortised; docs/benchmarks.md): the fused kernel
 is the fastest accurate path at every context measured: at 128k, affine4 157.6 µs
@@ -177,7 +177,7 @@ def one_group_decode(queries: mx.array, buffers: Buffers, length: int, scale: fl
     against 395-417 for the live slice at 1k, 1011-1024 against 1249-1261 at 4k (raw
     217-246 and 661-701). The planes path (``float32_decode``) gained nothing this way."""
     factor, softmax = softmax_for(length)
-    q, _ = _grouped_queries(queries, buffers, length, scale * factor)
+    q = _grouped_queries(queries, buffers, scale * factor)
     allocated = buffers["key_codes"].shape[2]
     keys = mx.view(buffers["key_codes"], mx.uint8).astype(mx.float32)
     scores = (keys @ q.swapaxes(-1, -2)) * buffers["key_scales"] + buffers["key_biases"] * q.sum(axis=-1)[..., None, :]
@@ -189,13 +189,12 @@ def one_group_decode(queries: mx.array, buffers: Buffers, length: int, scale: fl
     return out.reshape(queries.shape)
 
 
-def _grouped_queries(queries: mx.array, buffers: Buffers, length: int, scale: float) -> tuple[mx.array, Buffers]:
-    """The queries times ``scale`` as ``[batch, kv_heads, group, head_dim]``, and views of the
-    live slots of every buffer."""
+def _grouped_queries(queries: mx.array, buffers: Buffers, scale: float) -> mx.array:
+    """The queries times ``scale`` as ``[batch, kv_heads, group, head_dim]``: the query heads
+    that share a KV head as the columns of one product."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = buffers["key_codes"].shape[1]
-    q = (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
-    return q, {name: array[:, :, :length] for name, array in buffers.items()}
+    return (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
 
 
 def float32_decode(
@@ -210,7 +209,8 @@ def float32_decode(
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
     ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements."""
     factor, softmax = softmax_for(length)
-    q, live = _grouped_queries(queries, buffers, length, scale * factor)
+    q = _grouped_queries(queries, buffers, scale * factor)
+    live = {name: array[:, :, :length] for name, array in buffers.items()}
     planes = key_planes(live["key_codes"], live["key_scales"], live["key_biases"])
     n = len(planes)
     scores = reduce(mx.add, [plane @ q[..., k::n].swapaxes(-1, -2) for k, plane in enumerate(planes)])
