@@ -76,13 +76,19 @@ def serves(queries: mx.array, keys: mx.array, values: mx.array, mask) -> bool:
     )
 
 
+def grouped_queries(queries: mx.array, kv_heads: int, scale: float) -> mx.array:
+    """One query token ``[batch, q_heads, 1, head_dim]`` times ``scale`` as ``[batch, kv_heads,
+    q_heads / kv_heads, head_dim]``: the query heads that share a KV head, as the columns of
+    one product with its keys (``keys @ qᵀ``)."""
+    batch, q_heads, _, dims = queries.shape
+    return (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+
+
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float) -> mx.array:
     """``softmax(q kᵀ · scale) v`` for one query token ``[batch, q_heads, 1, head_dim]`` over
     ``[batch, kv_heads, length, head_dim]`` keys and values (``q_heads`` a multiple of
     ``kv_heads``), in float32."""
-    batch, q_heads, _, dims = queries.shape
-    kv_heads = keys.shape[1]
     factor, softmax = softmax_for(keys.shape[2])
-    q = (queries * (scale * factor)).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    q = grouped_queries(queries, keys.shape[1], scale * factor)
     scores = (keys @ q.swapaxes(-1, -2)).swapaxes(-1, -2)
-    return (softmax(scores) @ values).reshape(batch, q_heads, 1, dims)
+    return (softmax(scores) @ values).reshape(queries.shape)

@@ -66,7 +66,7 @@ from functools import cache, partial, reduce
 import attrs
 import mlx.core as mx
 
-from butter_core.cpu_attention import softmax_for
+from butter_core.cpu_attention import grouped_queries, softmax_for
 from butter_core.kernels import default_device_is_gpu, gpu_backend
 
 from butter_affine import codec
@@ -177,7 +177,7 @@ def one_group_decode(queries: mx.array, buffers: Buffers, length: int, scale: fl
     against 395-417 for the live slice at 1k, 1011-1024 against 1249-1261 at 4k (raw
     217-246 and 661-701). The planes path (``float32_decode``) gained nothing this way."""
     factor, softmax = softmax_for(length)
-    q = _grouped_queries(queries, buffers, scale * factor)
+    q = grouped_queries(queries, buffers["key_codes"].shape[1], scale * factor)
     allocated = buffers["key_codes"].shape[2]
     keys = mx.view(buffers["key_codes"], mx.uint8).astype(mx.float32)
     scores = (keys @ q.swapaxes(-1, -2)) * buffers["key_scales"] + buffers["key_biases"] * q.sum(axis=-1)[..., None, :]
@@ -187,14 +187,6 @@ def one_group_decode(queries: mx.array, buffers: Buffers, length: int, scale: fl
     values = mx.view(buffers["value_codes"], mx.uint8).astype(mx.float32)
     out = (weights * buffers["value_scales"].swapaxes(-1, -2)) @ values + weights @ buffers["value_biases"]
     return out.reshape(queries.shape)
-
-
-def _grouped_queries(queries: mx.array, buffers: Buffers, scale: float) -> mx.array:
-    """The queries times ``scale`` as ``[batch, kv_heads, group, head_dim]``: the query heads
-    that share a KV head as the columns of one product."""
-    batch, q_heads, _, dims = queries.shape
-    kv_heads = buffers["key_codes"].shape[1]
-    return (queries * scale).reshape(batch, kv_heads, q_heads // kv_heads, dims)
 
 
 def float32_decode(
@@ -209,7 +201,7 @@ def float32_decode(
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
     ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements."""
     factor, softmax = softmax_for(length)
-    q = _grouped_queries(queries, buffers, scale * factor)
+    q = grouped_queries(queries, buffers["key_codes"].shape[1], scale * factor)
     live = {name: array[:, :, :length] for name, array in buffers.items()}
     planes = key_planes(live["key_codes"], live["key_scales"], live["key_biases"])
     n = len(planes)
