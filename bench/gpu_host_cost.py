@@ -12,7 +12,9 @@ compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugin
    rounds (``gpu_timing.amortised``).
 2. A decode step's attention through butter-aura's and butter-affine's kernels (bf16, 16
    query / 8 KV heads, head_dim 128, 4k keys), built and evaluated the same way, against
-   MLX's SDPA on raw bf16 of the same shape.
+   MLX's SDPA on raw bf16 of the same shape; butter-affine's both as a call built anew
+   (``decode_mma.decode_attention`` on the six buffers) and as its caches make it
+   (``ops.kernel_decode``: from the two stacks, a trace replayed).
 3. The source MLX receives from butter for each kernel defined (header and body, CUDA;
    MLX adds its own includes), in KB.
 """
@@ -23,8 +25,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from butter_affine import ops as affine_ops
 from butter_affine.kernels import decode_mma
 from butter_affine.kernels.decode import make_inputs as affine_inputs
+from butter_affine.packing import BUFFERS, stack
 from butter_aura.kernels import attention
 from butter_aura.kernels.checks import make_split_inputs
 from butter_core.kernels import kernel as kernel_module
@@ -67,14 +71,18 @@ def decode_calls() -> None:
     affine = affine_inputs(0, bits=4, group_size=32, length=LENGTH, allocated=LENGTH + 256, q_heads=Q_HEADS,
                            kv_heads=KV_HEADS, dtype=mx.bfloat16)
     keys, values = (mx.random.normal((1, KV_HEADS, LENGTH, HEAD_DIM)).astype(mx.bfloat16) for _ in range(2))
+    affine_stacks = stack({name: affine[name] for name in BUFFERS})
     mx.eval(aura["queries"], aura["stored"].key_codes, [v for v in affine.values() if isinstance(v, mx.array)], keys,
-            values)
+            values, affine_stacks)
+    traced = affine_ops.kernel_decode(tensor_cores=True)
     paths = {
         "raw bf16, mx.fast.scaled_dot_product_attention": lambda: mx.fast.scaled_dot_product_attention(
             affine["queries"], keys, values, scale=HEAD_DIM**-0.5),
         "aura4v2, attention.decode_attention (2 kernels)": lambda: attention.decode_attention(
             aura["queries"], aura["stored"], aura["scale"]),
         "affine4, decode_mma.decode_attention (2 kernels)": lambda: decode_mma.decode_attention(**affine),
+        "affine4, ops.kernel_decode (the same, traced)": lambda: traced(
+            affine["queries"], affine_stacks, affine["length"], affine["scale"]),
     }
     print("\n| 4k keys, one query | build µs/call | eval µs/call |\n|---|---:|---:|")
     for name, call in paths.items():

@@ -77,6 +77,13 @@ class SlotBuffers:
         """The arrays that hold the buffers (one per stack, one per unstacked buffer)."""
         return list(self._storage.values())
 
+    @property
+    def stacked_arrays(self) -> dict[str, mx.array]:
+        """The same arrays by key: each stack whole (``[n, batch, heads, slots, width]``) under
+        its name, each unstacked buffer under its own; all allocated slots. What ``arrays``
+        takes its views of: a kernel that reads a stack whole takes one input, not several."""
+        return dict(self._storage)
+
     def _storage_layout(self) -> dict[str, tuple[tuple[int, ...], int, mx.Dtype]]:
         """Storage key -> (leading stack axis or (), row width, dtype)."""
         keys = {}

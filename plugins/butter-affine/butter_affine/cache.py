@@ -48,7 +48,7 @@ class AffineCache(BufferedSlotCache):
 
     def attention(self, queries, *, scale: float, mask: Mask):
         if queries.shape[2] == 1 and mask is None and self.ops.decode is not None:
-            return self.ops.decode(queries, self.slots.arrays, self.length, scale).astype(queries.dtype)
+            return self.ops.decode(queries, self.slots.stacked_arrays, self.length, scale).astype(queries.dtype)
         out = super().attention(queries, scale=scale, mask=mask)
         if self.pipeline is not None and queries.shape[2] > 1:
             self.pipeline.submit(out)

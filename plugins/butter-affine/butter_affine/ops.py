@@ -7,7 +7,7 @@ and single-token decode attention. Per backend, from measurement:
 |---|---|---|---|
 | quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel | ``quantize_kv`` kernel |
 | dequantize | reference (``codec.dequantize``), compiled | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
-| decode | float32: 8-bit codes with one group per row: the codes cast to float32 and matmuls, scales and biases applied to the products (``one_group_decode``); other float32 formats: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel | dequantize + SDPA (the seed's path) |
+| decode | float32: 8-bit codes with one group per row: the codes cast to float32 and matmuls, scales and biases applied to the products (``one_group_decode``); other float32 formats: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel; either traced once per buffer shape (``kernel_decode``) | dequantize + SDPA (the seed's path) |
 
 CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
 ``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does.
@@ -61,19 +61,22 @@ SDPA, 0.488-0.512x its time (medians of 7-9 rounds in six runs; single rounds 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache, partial, reduce
+from functools import cache, lru_cache, partial, reduce
 
 import attrs
 import mlx.core as mx
 
+from butter_core.compiled import compile_by_shape
 from butter_core.cpu_attention import grouped_queries, softmax_for
 from butter_core.kernels import default_device_is_gpu, gpu_backend
+from butter_core.slots import unstack
 
 from butter_affine import codec
 from butter_affine.kernels import decode, decode_mma, dequantize, quantize
-from butter_affine.packing import BUFFERS, PackedFormat, stack
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat, stack
 
 Buffers = dict[str, mx.array]
+"""Arrays by buffer name (``packing.BUFFERS``) or by stack name (``packing.STACKS``)."""
 Quantize = Callable[[mx.array, mx.array], Buffers]
 Dequantize = Callable[[Buffers, int], tuple[mx.array, mx.array]]
 Decode = Callable[[mx.array, Buffers, int, float], mx.array]
@@ -83,9 +86,10 @@ Decode = Callable[[mx.array, Buffers, int, float], mx.array]
 class AffineOps:
     """The functions one cache calls: ``quantize(keys, values)`` -> rows by stack
     (``packing.STACKS``);
-    ``dequantize(buffers, length)`` -> live keys and values; ``decode(queries, buffers,
-    length, scale)`` -> single-token attention, or None to dequantize and use SDPA.
-    ``buffers`` are the cache's whole arrays; no function needs a slice of them."""
+    ``dequantize(buffers, length)`` -> live keys and values, from the buffers by name;
+    ``decode(queries, stacks, length, scale)`` -> single-token attention, from the two
+    stacks (``SlotBuffers.stacked_arrays``), or None to dequantize and use SDPA. Both get
+    the cache's whole arrays; no function needs a slice of them."""
 
     name: str
     quantize: Quantize
@@ -108,20 +112,51 @@ def select_ops(fmt: PackedFormat) -> AffineOps:
         decode=None,
     )
     if backend == "cuda" and decode_mma.supports(fmt, fmt.dtype):
-        ops = attrs.evolve(ops, name="cuda kernels, tensor-core fused decode", decode=_tensor_core_decode)
+        ops = attrs.evolve(ops, name="cuda kernels, tensor-core fused decode", decode=shared_kernel_decode(True))
     elif backend == "cuda" and decode.supports(fmt, fmt.dtype):
-        ops = attrs.evolve(ops, name="cuda kernels, fused decode", decode=_fused_decode)
+        ops = attrs.evolve(ops, name="cuda kernels, fused decode", decode=shared_kernel_decode(False))
     return ops
 
 
-def _fused_decode(queries: mx.array, buffers: Buffers, length: int, scale: float) -> mx.array:
-    return decode.decode_attention(queries, *(buffers[name] for name in BUFFERS), length=length, scale=scale)
+def kernel_decode(*, tensor_cores: bool) -> Decode:
+    """Single-token attention by a fused decode kernel (``decode_mma`` where
+    ``tensor_cores`` and the queries are float16/bfloat16, else ``decode``), from a cache's
+    stacks, traced by ``mx.compile`` once per buffer shape (``compile_by_shape``) and
+    replayed every step: the live length and the scale reach the kernel as device arrays
+    (``decode_attention_live``), so the call's graph does not change between steps, only
+    when the buffers grow. Building the call anew took 32 µs of host time per layer,
+    replaying it 11 (H200 host, MLX 0.32.4, affine4 at 4k, 28 layers chained; 2026-12-01,
+    docs/benchmarks.md); a decode step on the GPU is host-bound."""
+
+    def graph(queries, codes, scales_biases, live, scale):
+        buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
+        kernel = decode_mma if tensor_cores and queries.dtype in decode_mma.SUPPORTED_DTYPES else decode
+        return kernel.decode_attention_live(queries, *(buffers[name] for name in BUFFERS), live=live, scale=scale)
+
+    traced = compile_by_shape(graph)
+
+    def attend(queries: mx.array, stacks: Buffers, length: int, scale: float) -> mx.array:
+        allocated = stacks["codes"].shape[-2]
+        if not 0 < length <= allocated:
+            raise ValueError(f"length {length} outside 1..{allocated}")
+        live = mx.array([length], dtype=mx.int32)
+        return traced(queries, stacks["codes"], stacks["scales_biases"], live, _scale_array(scale))
+
+    attend.traces = traced.traces
+    return attend
 
 
-def _tensor_core_decode(queries: mx.array, buffers: Buffers, length: int, scale: float) -> mx.array:
-    if queries.dtype not in decode_mma.SUPPORTED_DTYPES:  # e.g. float32 queries: keep float32 arithmetic
-        return _fused_decode(queries, buffers, length, scale)
-    return decode_mma.decode_attention(queries, *(buffers[name] for name in BUFFERS), length=length, scale=scale)
+@cache
+def shared_kernel_decode(tensor_cores: bool) -> Decode:
+    """``kernel_decode``, made once: every layer's cache shares it, and so its traces."""
+    return kernel_decode(tensor_cores=tensor_cores)
+
+
+@lru_cache(maxsize=64)
+def _scale_array(scale: float) -> mx.array:
+    """``scale`` as the one-element float32 array the kernels read, made once per value (a
+    model has one)."""
+    return mx.array([scale], dtype=mx.float32)
 
 
 @cache
@@ -136,9 +171,9 @@ def _cpu_ops(fmt: PackedFormat) -> AffineOps:
             )
             return stack(dict(zip(BUFFERS, packed)))
     else:
-        quantize_rows = mx.compile(partial(quantize.quantize_kv_reference, bits=bits, group_size=group_size))
+        quantize_rows = compile_by_shape(partial(quantize.quantize_kv_reference, bits=bits, group_size=group_size))
 
-    dequantize_rows = mx.compile(partial(codec.dequantize, bits=bits, dtype=fmt.dtype))
+    dequantize_rows = compile_by_shape(partial(codec.dequantize, bits=bits, dtype=fmt.dtype))
 
     def dequantize_live(buffers, length):
         live = [buffers[name][:, :, :length] for name in BUFFERS]
@@ -158,13 +193,13 @@ def _cpu_decode(fmt: PackedFormat) -> Decode | None:
         return None
     if fmt.bits == 8 and fmt.groups == 1:
         return one_group_decode
-    key_planes = mx.compile(partial(codec.dequantize_planes, bits=fmt.bits, dtype=mx.float32))
+    key_planes = compile_by_shape(partial(codec.dequantize_planes, bits=fmt.bits, dtype=mx.float32))
     return partial(float32_decode, bits=fmt.bits, group_size=fmt.group_size, key_planes=key_planes)
 
 
-def one_group_decode(queries: mx.array, buffers: Buffers, length: int, scale: float) -> mx.array:
-    """Single-token attention over float32 8-bit codes with one scale and bias per row, on
-    the CPU, from the codes themselves: with row ``i``'s code bytes ``c_i`` (only cast to
+def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: float) -> mx.array:
+    """Single-token attention over a cache's stacks of float32 8-bit codes with one scale
+    and bias per row, on the CPU, from the codes themselves: with row ``i``'s code bytes ``c_i`` (only cast to
     float32), ``q · k_i = s_i (q · c_i) + b_i Σq`` and ``Σ_i w_i v_i = (w s) · c + w · b``:
     two matmuls on the cast codes and a few products the size of the scores. Products
     and softmax in ``butter_core.cpu_attention``'s form (keys as rows, ``softmax_for``).
@@ -176,39 +211,49 @@ def one_group_decode(queries: mx.array, buffers: Buffers, length: int, scale: fl
     heads, one slot past a multiple of 256 (scratch script, 2026-12-01): 374-378 µs
     against 395-417 for the live slice at 1k, 1011-1024 against 1249-1261 at 4k (raw
     217-246 and 661-701). The planes path (``float32_decode``) gained nothing this way."""
+    buffers = unstack(stacks, STACKS)
     factor, softmax = softmax_for(length)
     q = grouped_queries(queries, buffers["key_codes"].shape[1], scale * factor)
-    allocated = buffers["key_codes"].shape[2]
     keys = mx.view(buffers["key_codes"], mx.uint8).astype(mx.float32)
     scores = (keys @ q.swapaxes(-1, -2)) * buffers["key_scales"] + buffers["key_biases"] * q.sum(axis=-1)[..., None, :]
-    weights = softmax(scores[:, :, :length].swapaxes(-1, -2))
-    if allocated > length:
-        weights = mx.pad(weights, [(0, 0), (0, 0), (0, 0), (0, allocated - length)])
+    weights = _live_weights(softmax, scores, length)
     values = mx.view(buffers["value_codes"], mx.uint8).astype(mx.float32)
     out = (weights * buffers["value_scales"].swapaxes(-1, -2)) @ values + weights @ buffers["value_biases"]
     return out.reshape(queries.shape)
 
 
 def float32_decode(
-    queries: mx.array, buffers: Buffers, length: int, scale: float, *, bits: int, group_size: int,
+    queries: mx.array, stacks: Buffers, length: int, scale: float, *, bits: int, group_size: int,
     key_planes: Callable[[mx.array, mx.array, mx.array], list[mx.array]],
 ) -> mx.array:
-    """Single-token attention over float32 codes on the CPU: scores against the live keys
+    """Single-token attention over a cache's stacks of float32 codes on the CPU: scores against the keys
     dequantized as planes by ``key_planes`` (a compiled ``codec.dequantize_planes``),
     through float32 matmuls, then ``mx.quantized_matmul`` for the values (mlx-lm uses it
     for both products).
 
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
-    ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements."""
+    ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements. Like
+    ``one_group_decode``, it runs over every allocated slot (``_live_weights``), so the
+    compiled ``key_planes`` sees a new shape only when the buffers grow, not every step."""
+    buffers = unstack(stacks, STACKS)
     factor, softmax = softmax_for(length)
     q = grouped_queries(queries, buffers["key_codes"].shape[1], scale * factor)
-    live = {name: array[:, :, :length] for name, array in buffers.items()}
-    planes = key_planes(live["key_codes"], live["key_scales"], live["key_biases"])
+    planes = key_planes(buffers["key_codes"], buffers["key_scales"], buffers["key_biases"])
     n = len(planes)
     scores = reduce(mx.add, [plane @ q[..., k::n].swapaxes(-1, -2) for k, plane in enumerate(planes)])
-    weights = softmax(scores.swapaxes(-1, -2))
     out = mx.quantized_matmul(
-        weights, live["value_codes"], live["value_scales"], live["value_biases"],
-        transpose=False, group_size=group_size, bits=bits,
+        _live_weights(softmax, scores, length), buffers["value_codes"], buffers["value_scales"],
+        buffers["value_biases"], transpose=False, group_size=group_size, bits=bits,
     )
     return out.reshape(queries.shape)
+
+
+def _live_weights(softmax: Callable[[mx.array], mx.array], scores: mx.array, length: int) -> mx.array:
+    """Attention weights ``[..., heads, slots]`` from scores ``[..., slots, heads]`` over
+    every allocated slot: ``softmax`` over the first ``length`` slots, 0 for the rest
+    (whose rows are finite: zeros, or an earlier row's codes)."""
+    allocated = scores.shape[-2]
+    weights = softmax(scores[..., :length, :].swapaxes(-1, -2))
+    if allocated > length:
+        weights = mx.pad(weights, [(0, 0)] * (weights.ndim - 1) + [(0, allocated - length)])
+    return weights

@@ -15,7 +15,7 @@ from butter_affine import codec
 from butter_affine import ops
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
 from butter_affine.ops import float32_decode
-from butter_affine.packing import BUFFERS, STACKS, PackedFormat
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat, stack
 
 CASES = [
     pytest.param(check, case, id=f"{check.name}-{i}")
@@ -63,16 +63,19 @@ def test_decode_reference_matches_numpy(dtype, bits, group_size, q_heads, kv_hea
 
 
 @pytest.mark.usefixtures("on_the_cpu")
-@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (6, 32), (8, 64), (4, 128)])
-def test_float32_decode_matches_reference(bits, group_size):
-    """The CPU decode path (dequantized keys, ``mx.quantized_matmul`` values) against the
-    reference, both on the CPU stream: MLX's CUDA quantized_matmul has no float32 kernel for
-    these shapes, and a GPU's float32 matmuls need not be exact to 1e-5 (on the H200 this
-    test failed with the reference on the GPU)."""
+@pytest.mark.parametrize(("bits", "group_size", "allocated", "length"),
+                         [(4, 32, 300, 257), (6, 32, 300, 257), (8, 64, 300, 257), (4, 128, 300, 257),
+                          (4, 32, 700, 600), (6, 32, 512, 512)])
+def test_float32_decode_matches_reference(bits, group_size, allocated, length):
+    """The CPU decode path (dequantized keys, ``mx.quantized_matmul`` values, over every
+    allocated slot: the stale ones hold ±1e3 and weigh 0) against the reference, both on
+    the CPU stream, with each of ``softmax_for``'s softmaxes: MLX's CUDA quantized_matmul
+    has no float32 kernel for these shapes, and a GPU's float32 matmuls need not be exact
+    to 1e-5 (on the H200 this test failed with the reference on the GPU)."""
     inputs = decode.make_inputs(5, bits=bits, group_size=group_size, q_heads=8, kv_heads=2, head_dim=128,
-                                allocated=300, length=257, dtype=mx.float32)
-    buffers = {name: inputs[name] for name in BUFFERS}
-    out = float32_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"], bits=bits,
+                                allocated=allocated, length=length, dtype=mx.float32)
+    stacks = stack({name: inputs[name] for name in BUFFERS})
+    out = float32_decode(inputs["queries"], stacks, inputs["length"], inputs["scale"], bits=bits,
                          group_size=group_size, key_planes=lambda *k: codec.dequantize_planes(*k, bits, mx.float32))
     expected = decode.decode_attention_reference(**inputs)
     assert relative_error(out, expected) <= 1e-5
@@ -87,8 +90,8 @@ def test_one_group_decode_matches_reference(group_size, head_dim, allocated, len
     0) against the reference, on the CPU stream, with each of ``softmax_for``'s softmaxes."""
     inputs = decode.make_inputs(6, bits=8, group_size=group_size, q_heads=9, kv_heads=3, head_dim=head_dim,
                                 allocated=allocated, length=length, dtype=mx.float32)
-    buffers = {name: inputs[name] for name in BUFFERS}
-    out = ops.one_group_decode(inputs["queries"], buffers, inputs["length"], inputs["scale"])
+    stacks = stack({name: inputs[name] for name in BUFFERS})
+    out = ops.one_group_decode(inputs["queries"], stacks, inputs["length"], inputs["scale"])
     expected = decode.decode_attention_reference(**inputs)
     assert relative_error(out, expected) <= 1e-5
 
@@ -212,26 +215,65 @@ def test_tensor_core_decode_supports(bits, head_dim, dtype, expected):
 
 
 @pytest.mark.parametrize(
-    ("bits", "head_dim", "dtype", "decode_name"),
-    [(4, 128, mx.bfloat16, "_tensor_core_decode"), (8, 128, mx.float16, "_tensor_core_decode"),
-     (6, 128, mx.bfloat16, "_tensor_core_decode"), (6, 64, mx.bfloat16, "_fused_decode"),
-     (4, 128, mx.float32, "_fused_decode")],
+    ("bits", "head_dim", "dtype", "tensor_cores"),
+    [(4, 128, mx.bfloat16, True), (8, 128, mx.float16, True), (6, 128, mx.bfloat16, True),
+     (6, 64, mx.bfloat16, False), (4, 128, mx.float32, False)],
 )
-def test_cuda_ops_choose_the_tensor_core_kernel_where_it_applies(monkeypatch, bits, head_dim, dtype, decode_name):
+def test_cuda_ops_choose_the_tensor_core_kernel_where_it_applies(monkeypatch, bits, head_dim, dtype, tensor_cores):
     monkeypatch.setattr(ops, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(ops, "default_device_is_gpu", lambda: True)
     chosen = ops.select_ops(PackedFormat(bits, 32, head_dim, dtype))
-    assert chosen.decode is getattr(ops, decode_name)
+    assert chosen.decode is ops.shared_kernel_decode(tensor_cores)
 
 
-def test_tensor_core_decode_keeps_float32_queries_on_the_float32_kernel(monkeypatch):
+def test_kernel_decode_keeps_float32_queries_on_the_float32_kernel(monkeypatch):
+    """Which kernel a traced decode calls, by query dtype (each kernel stood in for by a
+    function that records its call; a fresh ``kernel_decode``, so no trace of these
+    stand-ins outlives the test)."""
     calls = []
-    monkeypatch.setattr(decode, "decode_attention", lambda *a, **k: calls.append("fused"))
-    monkeypatch.setattr(decode_mma, "decode_attention", lambda *a, **k: calls.append("mma"))
-    buffers = {name: mx.zeros((1, 1, 16, 1), mx.bfloat16) for name in BUFFERS}
-    ops._tensor_core_decode(mx.zeros((1, 1, 1, 128), mx.float32), buffers, 4, 0.1)
-    ops._tensor_core_decode(mx.zeros((1, 1, 1, 128), mx.bfloat16), buffers, 4, 0.1)
+
+    def stand_in(name):
+        def attend(queries, *buffers, live, scale):
+            calls.append(name)
+            return queries * scale
+        return attend
+
+    monkeypatch.setattr(decode, "decode_attention_live", stand_in("fused"))
+    monkeypatch.setattr(decode_mma, "decode_attention_live", stand_in("mma"))
+    stacks = stack({name: mx.zeros((1, 1, 16, 1), mx.bfloat16) for name in BUFFERS})
+    attend = ops.kernel_decode(tensor_cores=True)
+    attend(mx.zeros((1, 1, 1, 128), mx.float32), stacks, 4, 0.1)
+    attend(mx.zeros((1, 1, 1, 128), mx.bfloat16), stacks, 4, 0.1)
     assert calls == ["fused", "mma"]
+    with pytest.raises(ValueError, match="length 17 outside 1..16"):
+        attend(mx.zeros((1, 1, 1, 128), mx.bfloat16), stacks, 17, 0.1)
+
+
+@pytest.mark.skipif(gpu_backend() != "cuda", reason="the CUDA ops' decode (needs MLX's CUDA backend)")
+@pytest.mark.parametrize(("bits", "dtype", "tensor_cores"),
+                         [(4, mx.bfloat16, True), (8, mx.float16, True), (4, mx.float32, True), (6, mx.bfloat16, False)])
+def test_kernel_decode_serves_every_live_length_from_one_trace(bits, dtype, tensor_cores):
+    """The traced decode against the reference at live lengths from 1 to every allocated
+    slot of one buffer (the slots past each length hold other keys, which must not
+    count), all from one trace; then from a grown buffer, a second. The reference runs
+    on the CPU stream (a GPU's float32 matmuls need not be exact to 1e-5)."""
+
+    def reference(length):
+        with mx.stream(mx.cpu):
+            return decode.decode_attention_reference(**{**inputs, "length": length})
+
+    inputs = decode.make_inputs(7, bits=bits, group_size=32, q_heads=8, kv_heads=2, head_dim=128,
+                                allocated=512, length=512, dtype=dtype)
+    buffers = {name: inputs[name] for name in BUFFERS}
+    attend = ops.kernel_decode(tensor_cores=tensor_cores)
+    for length in (1, 17, 300, 512):
+        out = attend(inputs["queries"], stack(buffers), length, inputs["scale"])
+        assert relative_error(out, reference(length)) <= DEFAULT_RTOL[dtype], length
+    assert len(attend.traces) == 1
+    grown = {name: mx.concatenate([array, mx.zeros_like(array)], axis=2) for name, array in buffers.items()}
+    out = attend(inputs["queries"], stack(grown), 300, inputs["scale"])
+    assert relative_error(out, reference(300)) <= DEFAULT_RTOL[dtype]
+    assert len(attend.traces) == 2
 
 
 def test_tensor_core_decode_rejects_formats_it_does_not_take():

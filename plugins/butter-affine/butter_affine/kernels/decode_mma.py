@@ -341,18 +341,38 @@ def decode_attention(
     on tensor cores; arguments and result as ``decode.decode_attention`` (``supports``
     says which formats). ``splits`` forces the number of key splits (tests use it to
     make splits that see no key); by default ``split_k.num_splits`` chooses."""
-    fmt = _check_args(queries, key_codes, key_scales, value_codes, length)
+    _check_args(queries, key_codes, key_scales, value_codes, length)
+    return decode_attention_live(
+        queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
+        live=mx.array([length], dtype=mx.int32), scale=mx.array([scale], dtype=mx.float32), planned_length=length,
+        splits=splits,
+    )
+
+
+def decode_attention_live(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, live: mx.array, scale: mx.array, planned_length: int | None = None, splits: int | None = None,
+) -> mx.array:
+    """``decode_attention`` with the live length and the scale as one-element device arrays
+    (int32, float32), which the kernel reads when it runs: nothing in the call's graph
+    depends on their values, so ``mx.compile`` can trace it once per buffer shape and
+    replay it every decode step (``ops``). The split count is planned for
+    ``planned_length`` keys (default: every allocated slot; splits past the live keys see
+    none; ``splits`` forces their number). ``live`` must lie in ``1..allocated``: it is not checked, being on the device."""
+    fmt = _check_args(queries, key_codes, key_scales, value_codes, key_codes.shape[2])
     if not supports(fmt, queries.dtype):
         raise ValueError(f"the tensor-core decode kernel does not handle {fmt} with {queries.dtype} queries")
     batch, q_heads, _, dims = queries.shape
     launch = split_k.plan(
-        batch=batch, q_heads=q_heads, kv_heads=key_codes.shape[1], dims=dims, length=length, warps=WARPS,
+        batch=batch, q_heads=q_heads, kv_heads=key_codes.shape[1], dims=dims,
+        length=planned_length or key_codes.shape[2], warps=WARPS,
         max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
         splits=splits,
     )
     partials = _PARTIALS(
-        inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
-                mx.array([length], dtype=mx.int32), mx.array([scale], dtype=mx.float32)],
+        inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases, live, scale],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
                   ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS[fmt.bits]), ("READ_ONLY", READ_ONLY_LOADS)],

@@ -1,0 +1,51 @@
+"""``compile_by_shape``: ``mx.compile`` with a bounded number of traces.
+
+``mx.compile`` keeps every trace it makes (one per distinct set of input shapes and
+dtypes) for as long as the compiled function lives, and finds the trace for a call by
+trying them one after another. A cache calls its compiled functions with shapes that
+change as it grows (every ``GROWTH_STEP`` slots, or every step where a function sees
+only the live slots), so an unbounded function's lookups get slower the longer a
+generation runs: after 3000 shapes a lookup took 39 µs where a function with one trace
+takes 1.4 (2-core CPU, MLX 0.32.4, 2026-12-01; docs/benchmarks.md). ``compile_by_shape``
+keeps the traces of the last few shapes only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable
+
+import mlx.core as mx
+
+KEEP = 4
+"""Traces kept per function: the layers of one model share shapes, so a decode step needs
+one; a few more serve callers that alternate (two models, prefill and decode)."""
+
+
+def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP) -> Callable:
+    """``fn`` (arrays in, arrays out) compiled once per distinct set of input shapes and
+    dtypes, with the ``keep`` most recently used traces kept.
+
+    Each trace is its own ``mx.compile`` of ``fn``; dropping one releases what MLX held
+    for it. Positional array arguments only: anything else ``fn`` needs, bind first
+    (``functools.partial``), so it is the same for every call.
+    """
+    if keep < 1:
+        raise ValueError(f"compile_by_shape keeps at least one trace; got keep={keep}")
+    traces: OrderedDict[tuple, Callable] = OrderedDict()
+
+    @functools.wraps(fn)
+    def call(*arrays: mx.array):
+        key = tuple((a.shape, a.dtype) for a in arrays)
+        compiled = traces.pop(key, None)
+        if compiled is None:
+            # A fresh function object per trace: MLX keys its traces by the function's identity.
+            compiled = mx.compile(functools.partial(fn))
+            if len(traces) >= keep:
+                traces.popitem(last=False)
+        traces[key] = compiled
+        return compiled(*arrays)
+
+    call.traces = traces
+    return call

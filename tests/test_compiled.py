@@ -1,0 +1,51 @@
+"""``butter_core.compiled.compile_by_shape``: one trace per shape, a bounded number kept."""
+
+import mlx.core as mx
+import pytest
+
+from butter_core.compiled import compile_by_shape
+
+
+def counting(keep):
+    traced = []
+
+    def fn(a, b):
+        traced.append(a.shape)  # runs only while MLX traces
+        return a * 2 + b, a.sum()
+
+    return compile_by_shape(fn, keep=keep), traced
+
+
+def test_results_match_the_uncompiled_function():
+    f, _ = counting(keep=2)
+    a, b = mx.arange(6, dtype=mx.float32).reshape(2, 3), mx.ones((2, 3))
+    out, total = f(a, b)
+    assert mx.array_equal(out, a * 2 + b).item() and total.item() == 15
+
+
+def test_each_shape_is_traced_once_while_kept():
+    f, traced = counting(keep=2)
+    for _ in range(3):
+        f(mx.zeros((2, 3)), mx.zeros((2, 3)))
+    assert traced == [(2, 3)]
+    f(mx.zeros((4, 3)), mx.zeros((4, 3)))
+    f(mx.zeros((2, 3)), mx.zeros((2, 3)))
+    assert traced == [(2, 3), (4, 3)]
+    f(mx.zeros((2, 3), mx.float16), mx.zeros((2, 3), mx.float16))  # a dtype is part of the key too
+    assert len(traced) == 3
+
+
+def test_only_the_most_recently_used_traces_are_kept():
+    f, traced = counting(keep=2)
+    shapes = [(1, 3), (2, 3), (1, 3), (3, 3)]  # (1, 3) used again, so (2, 3) is the oldest
+    for shape in shapes:
+        f(mx.zeros(shape), mx.zeros(shape))
+    assert list(key[0][0] for key in f.traces) == [(1, 3), (3, 3)]
+    f(mx.zeros((2, 3)), mx.zeros((2, 3)))  # dropped: traced again
+    assert traced == [(1, 3), (2, 3), (3, 3), (2, 3)]
+    assert len(f.traces) == 2
+
+
+def test_keep_must_be_positive():
+    with pytest.raises(ValueError, match="keep=0"):
+        compile_by_shape(lambda a: a, keep=0)
