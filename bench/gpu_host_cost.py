@@ -12,9 +12,9 @@ compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugin
    rounds (``gpu_timing.amortised``).
 2. A decode step's attention through butter-aura's and butter-affine's kernels (bf16, 16
    query / 8 KV heads, head_dim 128, 4k keys), built and evaluated the same way, against
-   MLX's SDPA on raw bf16 of the same shape; butter-affine's both as a call built anew
-   (``decode_mma.decode_attention`` on the six buffers) and as its caches make it
-   (``ops.kernel_decode``: from the two stacks, a trace replayed).
+   MLX's SDPA on raw bf16 of the same shape; each scheme's both as a call built anew and
+   as its caches make it on CUDA, a trace replayed (butter-affine's ``ops.kernel_decode``
+   from the two stacks, butter-aura's ``attention.traced_decode_attention``).
 3. The source MLX receives from butter for each kernel defined (header and body, CUDA;
    MLX adds its own includes), in KB.
 """
@@ -79,6 +79,8 @@ def decode_calls() -> None:
         "raw bf16, mx.fast.scaled_dot_product_attention": lambda: mx.fast.scaled_dot_product_attention(
             affine["queries"], keys, values, scale=HEAD_DIM**-0.5),
         "aura4v2, attention.decode_attention (2 kernels)": lambda: attention.decode_attention(
+            aura["queries"], aura["stored"], aura["scale"]),
+        "aura4v2, attention.traced_decode_attention (the same, traced)": lambda: attention.traced_decode_attention(
             aura["queries"], aura["stored"], aura["scale"]),
         "affine4, decode_mma.decode_attention (2 kernels)": lambda: decode_mma.decode_attention(**affine),
         "affine4, ops.kernel_decode (the same, traced)": lambda: traced(

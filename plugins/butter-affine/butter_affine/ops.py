@@ -61,12 +61,12 @@ SDPA, 0.488-0.512x its time (medians of 7-9 rounds in six runs; single rounds 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache, lru_cache, partial, reduce
+from functools import cache, partial, reduce
 
 import attrs
 import mlx.core as mx
 
-from butter_core.compiled import compile_by_shape
+from butter_core.compiled import compile_by_shape, constant_array
 from butter_core.cpu_attention import grouped_queries, softmax_for
 from butter_core.kernels import default_device_is_gpu, gpu_backend
 from butter_core.slots import unstack
@@ -140,7 +140,7 @@ def kernel_decode(*, tensor_cores: bool) -> Decode:
         if not 0 < length <= allocated:
             raise ValueError(f"length {length} outside 1..{allocated}")
         live = mx.array([length], dtype=mx.int32)
-        return traced(queries, stacks["codes"], stacks["scales_biases"], live, _scale_array(scale))
+        return traced(queries, stacks["codes"], stacks["scales_biases"], live, constant_array(scale))
 
     attend.traces = traced.traces
     return attend
@@ -152,11 +152,6 @@ def shared_kernel_decode(tensor_cores: bool) -> Decode:
     return kernel_decode(tensor_cores=tensor_cores)
 
 
-@lru_cache(maxsize=64)
-def _scale_array(scale: float) -> mx.array:
-    """``scale`` as the one-element float32 array the kernels read, made once per value (a
-    model has one)."""
-    return mx.array([scale], dtype=mx.float32)
 
 
 @cache

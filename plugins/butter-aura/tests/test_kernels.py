@@ -106,3 +106,25 @@ def test_tensor_core_launch_is_at_most_one_wave(length, blocks_per_split):
     assert splits >= 1
     assert splits == 1 or splits * blocks_per_split <= resident
     assert splits <= -(-length // attention_mma.MIN_KEYS_PER_SPLIT)
+
+
+@pytest.mark.skipif(gpu_backend() != "cuda", reason="the traced decode runs on CUDA only")
+@pytest.mark.parametrize(("key_bits", "value_bits", "dtype"),
+                         [(4, 2, mx.bfloat16), (8, 8, mx.float16), (4, 4, mx.float32)])
+def test_traced_decode_serves_every_step_from_one_trace(key_bits, value_bits, dtype):
+    """``traced_decode_attention`` (what a CUDA cache calls) against the reference at live
+    lengths up to every allocated slot of one buffer shape, the ring and sinks moving with
+    them, all from one trace (the reference on the CPU stream: a GPU's float32 matmuls need
+    not be exact to 2e-5)."""
+    attention._traced.cache_clear()
+    for seed, length in enumerate((6, 40, 200, 256)):
+        inputs = checks.make_stored(seed, allocated=256, length=length, key_bits=key_bits, value_bits=value_bits,
+                                    dtype=dtype)
+        out = attention.traced_decode_attention(inputs["queries"], inputs["stored"], inputs["scale"])
+        with mx.stream(mx.cpu):
+            expected = reference.decode_attention(inputs["queries"], inputs["stored"], inputs["scale"])
+        assert relative_error(out, expected) <= checks.ATTENTION_RTOL[dtype], length
+    stored = inputs["stored"]
+    traced = attention._traced(attrs.astuple(stored.key_codec, recurse=False),
+                               attrs.astuple(stored.value_codec, recurse=False), stored.sinks)
+    assert len(traced.traces) == 1

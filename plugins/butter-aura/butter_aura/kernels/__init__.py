@@ -2,7 +2,8 @@
 
 * ``encode`` (``encode.py``): rotate and code appended keys and values (one launch).
 * ``decode_attention`` (``attention.py``): one query token over the codes, flash-decoding
-  split-K, no key or value materialised (two launches). Its partials run on tensor cores
+  split-K, no key or value materialised (two launches); on CUDA a cache calls it traced
+  once per buffer shape and replayed (``traced_decode_attention``). Its partials run on tensor cores
   (``attention_mma.py``) on CUDA wherever that kernel serves the configuration (aura4v2,
   aura4v4, aura8v4, aura8v8 with one scale per vector, float16/bfloat16 queries), else on
   the SIMT kernel in ``attention.py``.
@@ -26,7 +27,7 @@ from butter_aura.kernels import attention, dequantize, encode
 from butter_aura.kernels.checks import KERNEL_CHECKS
 
 GPU_OPS = types.SimpleNamespace(
-    encode=encode.encode, encode_rows=encode.encode_rows, decode_attention=attention.decode_attention,
+    encode=encode.encode, encode_rows=encode.encode_rows, decode_attention=attention.traced_decode_attention,
     dequantize=dequantize.dequantize,
 )
 """The kernel implementations, shaped like the ``reference`` module."""

@@ -30,10 +30,16 @@ Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+import attrs
 import mlx.core as mx
 
+from butter_core.compiled import compile_by_shape, constant_array
 from butter_core.kernels import Kernel, gpu_backend, split_k
 
+from butter_aura.codec import Codec
 from butter_aura.kernels import attention_mma
 from butter_aura.kernels.source import HELPERS
 from butter_aura.stored import StoredLayer
@@ -266,19 +272,47 @@ def decode_attention(
     are the chosen partials kernel's (``lanes``/``warps``/``tile`` here, ``warps``/``blocks``/
     ``min_keys`` for MMA) for benchmarks.
     """
+    _check_decode(queries, stored)
+    return decode_attention_live(queries, stored, live_params(stored), mx.array([scale], dtype=mx.float32),
+                                 method=method, splits=splits, **tunables)
+
+
+def live_params(stored: StoredLayer) -> mx.array:
+    """What the kernels read of a layer's state when they run, as one int32 array: the live
+    length, sinks, ring rows, and the smallest and largest slot the ring holds."""
+    lo, hi = stored.recent_range()
+    return mx.array([stored.length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
+
+
+def _check_decode(queries: mx.array, stored: StoredLayer) -> None:
     batch, q_heads, tokens, dims = queries.shape
     kv_heads, length = stored.key_codes.shape[1], stored.length
     if tokens != 1 or q_heads % kv_heads or length == 0:
         raise ValueError(f"decode attention takes one query token over >= 1 slot; got {queries.shape}, length {length}")
     if dims not in SUPPORTED_HEAD_DIMS or stored.rotation.permutation is not None:
         raise ValueError(f"the attention kernels serve head_dim {SUPPORTED_HEAD_DIMS}; got {dims}")
+
+
+def decode_attention_live(
+    queries: mx.array,
+    stored: StoredLayer,
+    params: mx.array,
+    scale_array: mx.array,
+    *,
+    method: str | None = None,
+    splits: int | None = None,
+    **tunables,
+) -> mx.array:
+    """``decode_attention`` with what changes from step to step as device arrays: ``params``
+    (``live_params``) and the scale (float32, one element). The splits are planned for
+    ``stored.length`` keys, which need not be the live length (``traced_decode_attention``
+    plans for every allocated slot); nothing else of the call depends on the step."""
+    dims = queries.shape[-1]
     if method is None:
         method = "mma" if gpu_backend() == "cuda" and attention_mma.serves(queries, stored) else "simt"
     elif method == "mma" and not attention_mma.serves(queries, stored):
         raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
-    lo, hi = stored.recent_range()
-    params = mx.array([length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
-    scale_array = mx.array([scale], dtype=mx.float32)
+    batch, q_heads = queries.shape[:2]
     if method == "mma":
         partial_acc, partial_max, partial_sum = attention_mma.partials(
             queries, stored, params, scale_array, splits=splits, **tunables
@@ -301,6 +335,50 @@ def decode_attention(
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+def traced_decode_attention(queries: mx.array, stored: StoredLayer, scale: float) -> mx.array:
+    """``decode_attention`` as a cache calls it every step: traced by ``mx.compile`` once per
+    configuration and buffer shape (``compile_by_shape``: the splits planned for every
+    allocated slot, the step's length and ring range in ``live_params``) and replayed. A
+    decode step on the GPU is host-bound, and this spares the host building two kernel
+    calls per layer (butter-affine's ``ops.kernel_decode`` does the same; docs/benchmarks.md).
+    On Metal (never measured: no Apple GPU here) the call is built anew, as before."""
+    if gpu_backend() != "cuda":
+        return decode_attention(queries, stored, scale)
+    _check_decode(queries, stored)
+    traced = _traced(attrs.astuple(stored.key_codec, recurse=False), attrs.astuple(stored.value_codec, recurse=False),
+                     stored.sinks)
+    return traced(queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
+                  stored.value_scales, stored.fp_keys, stored.fp_values, stored.recent_slots, live_params(stored),
+                  constant_array(scale))
+
+
+@attrs.frozen(eq=False)
+class _TracedRotation:
+    """What the kernels read of a ``Rotation``: its signs (a traced input), and no permutation
+    (``_check_decode`` admits power-of-two head dims only)."""
+
+    signs: mx.array
+    permutation: None = None
+
+
+@functools.cache
+def _traced(key_fields: tuple, value_fields: tuple, sinks: int) -> Callable[..., mx.array]:
+    """``decode_attention_live`` over a layer's arrays, traced per shape, for one pair of
+    codecs and sink count (named by their fields, so every layer of a model shares it)."""
+    key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
+
+    def graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,
+              params, scale):
+        stored = StoredLayer(
+            key_codes=key_codes, key_scales=key_scales, value_codes=value_codes, value_scales=value_scales,
+            fp_keys=fp_keys, fp_values=fp_values, recent_slots=recent_slots, length=key_codes.shape[2],
+            sinks=sinks, key_codec=key_codec, value_codec=value_codec, rotation=_TracedRotation(signs),
+        )
+        return decode_attention_live(queries, stored, params, scale)
+
+    return compile_by_shape(graph)
 
 
 def _simt_partials(
