@@ -355,12 +355,8 @@ def decode_attention_live(
     value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
     *, live: mx.array, scale: mx.array, planned_length: int | None = None, splits: int | None = None,
 ) -> mx.array:
-    """``decode_attention`` with the live length and the scale as one-element device arrays
-    (int32, float32), which the kernel reads when it runs: nothing in the call's graph
-    depends on their values, so ``mx.compile`` can trace it once per buffer shape and
-    replay it every decode step (``ops``). The split count is planned for
-    ``planned_length`` keys (default: every allocated slot; splits past the live keys see
-    none; ``splits`` forces their number). ``live`` must lie in ``1..allocated``: it is not checked, being on the device."""
+    """``decode.decode_attention_live`` (length and scale as device arrays, for a traced
+    call) on tensor cores; ``splits`` forces the split count."""
     fmt = _check_args(queries, key_codes, key_scales, value_codes, key_codes.shape[2])
     if not supports(fmt, queries.dtype):
         raise ValueError(f"the tensor-core decode kernel does not handle {fmt} with {queries.dtype} queries")
