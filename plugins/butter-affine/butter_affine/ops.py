@@ -152,8 +152,6 @@ def shared_kernel_decode(tensor_cores: bool) -> Decode:
     return kernel_decode(tensor_cores=tensor_cores)
 
 
-
-
 @cache
 def _cpu_ops(fmt: PackedFormat) -> AffineOps:
     """The CPU functions for ``fmt``, made once per format: every layer's cache shares them,
@@ -194,8 +192,9 @@ def _cpu_decode(fmt: PackedFormat) -> Decode | None:
 
 def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: float) -> mx.array:
     """Single-token attention over a cache's stacks of float32 8-bit codes with one scale
-    and bias per row, on the CPU, from the codes themselves: with row ``i``'s code bytes ``c_i`` (only cast to
-    float32), ``q · k_i = s_i (q · c_i) + b_i Σq`` and ``Σ_i w_i v_i = (w s) · c + w · b``:
+    and bias per row, on the CPU, from the codes themselves: with row ``i``'s code bytes
+    ``c_i`` (only cast to float32), ``q · k_i = s_i (q · c_i) + b_i Σq`` and
+    ``Σ_i w_i v_i = (w s) · c + w · b``:
     two matmuls on the cast codes and a few products the size of the scores. Products
     and softmax in ``butter_core.cpu_attention``'s form (keys as rows, ``softmax_for``).
 
@@ -221,10 +220,10 @@ def float32_decode(
     queries: mx.array, stacks: Buffers, length: int, scale: float, *, bits: int, group_size: int,
     key_planes: Callable[[mx.array, mx.array, mx.array], list[mx.array]],
 ) -> mx.array:
-    """Single-token attention over a cache's stacks of float32 codes on the CPU: scores against the keys
-    dequantized as planes by ``key_planes`` (a compiled ``codec.dequantize_planes``),
-    through float32 matmuls, then ``mx.quantized_matmul`` for the values (mlx-lm uses it
-    for both products).
+    """Single-token attention over a cache's stacks of float32 codes on the CPU: scores
+    against the keys dequantized as planes by ``key_planes`` (a compiled
+    ``codec.dequantize_planes``), through float32 matmuls, then ``mx.quantized_matmul``
+    for the values (mlx-lm uses it for both products).
 
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
     ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements. Like
