@@ -19,7 +19,7 @@ from butter_core.kernels import (
     relative_error,
     split_k,
 )
-from butter_core.kernels.dialect import HEADER, MMA_HEADER, PREAMBLE
+from butter_core.kernels.dialect import HEADER, MMA_HEADER, PREAMBLE, compact
 
 BACKENDS = ("metal", "cuda")
 MACROS = ("BT_SHARED", "BT_SHARED_PTR", "BT_BARRIER", "BT_GLOBAL", "BT_PRIVATE", "BT_FUNC",
@@ -53,8 +53,8 @@ def test_preamble_binds_the_same_locals_on_both_backends(backend):
 def test_source_is_preamble_then_body(backend):
     kernel = _kernel("test_layer_source")
     source = kernel.source(backend)
-    assert source.startswith(PREAMBLE[backend])
-    assert source.endswith(kernel.body)
+    assert source.startswith(compact(PREAMBLE[backend]))
+    assert source.endswith(compact(kernel.body))
 
 
 def test_metal_attributes_are_in_the_source_not_the_header():
@@ -90,7 +90,7 @@ def test_header_appends_kernel_helpers():
     kernel = Kernel("test_layer_helpers", ["inp"], ["out"], "out[0] = twice(inp[0]);",
                     helpers="BT_FUNC float twice(float x) { return 2 * x; }\n")
     for backend in BACKENDS:
-        assert kernel.header(backend) == HEADER[backend] + kernel.helpers
+        assert kernel.header(backend) == compact(HEADER[backend] + kernel.helpers)
 
 
 MMA_FUNCTIONS = ("bt_any", "bt_shuffle_u32", "bt_half2_fma", "bt_pack_half2", "bt_byte_perm", "bt_mma_16x8x16")
@@ -104,8 +104,8 @@ def test_tensor_core_vocabulary_is_opt_in(backend):
         assert not re.search(rf"\b{function}\s*\(", HEADER[backend]), function
     plain = _kernel("test_layer_plain")
     tensor = Kernel("test_layer_mma", ["inp"], ["out"], "out[0] = inp[0];", helpers="// h\n", mma=True)
-    assert plain.header(backend) == HEADER[backend] + plain.helpers
-    assert tensor.header(backend) == HEADER[backend] + MMA_HEADER[backend] + tensor.helpers
+    assert plain.header(backend) == compact(HEADER[backend] + plain.helpers)
+    assert tensor.header(backend) == compact(HEADER[backend] + MMA_HEADER[backend] + tensor.helpers)
 
 
 def test_cuda_tensor_core_vocabulary_is_the_documented_instruction():
@@ -185,7 +185,7 @@ def test_split_k_helpers_are_dialect_only():
     merge = split_k._MERGE
     assert merge.name == "butter_split_k_merge"
     for backend in BACKENDS:
-        assert merge.source(backend).endswith(merge.body)
+        assert merge.source(backend).endswith(compact(merge.body))
 
 
 def test_split_k_sizes():
@@ -218,3 +218,15 @@ def test_merge_partials_needs_a_gpu():
     partial_max = mx.zeros((1, 2, 3))
     with pytest.raises(KernelUnavailableError):
         split_k.merge_partials(mx.zeros((1, 2, 3, 64)), partial_max, partial_max, mx.float16)
+
+
+def test_compact_drops_comments_indentation_and_blank_lines_only():
+    source = "  int a = 1;  // one\n\n#define TWICE(x) \\\n    (2 * (x))\n// a whole-line comment\n  return a;\n"
+    assert compact(source) == "int a = 1;\n#define TWICE(x) \\\n(2 * (x))\nreturn a;\n"
+
+
+def test_compact_refuses_a_comment_continued_to_the_next_line():
+    """A ``//`` comment ending in a line continuation swallows the next line; dropping the
+    comment would compile that line, so ``compact`` refuses it."""
+    with pytest.raises(ValueError, match="line continuation"):
+        compact("int a = 1;  // one \\\nint b = 2;\n")
