@@ -61,7 +61,6 @@ def test_attend_takes_it_only_for_one_float32_token_without_mask():
     assert mx.allclose(attend(q, v, v, scale=0.3), reference_attention(q, v, v, scale=0.3), atol=1e-6).item()
 
 
-
 def test_short_rows_take_mx_softmax_and_long_ones_base_2():
     assert cpu_attention.softmax_for(cpu_attention.POWER_MIN_KEYS - 1)[0] == 1.0
     factor, softmax = cpu_attention.softmax_for(cpu_attention.POWER_MIN_KEYS)

@@ -194,8 +194,8 @@ def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: flo
     """Single-token attention over a cache's stacks of float32 8-bit codes with one scale
     and bias per row, on the CPU, from the codes themselves: with row ``i``'s code bytes
     ``c_i`` (only cast to float32), ``q · k_i = s_i (q · c_i) + b_i Σq`` and
-    ``Σ_i w_i v_i = (w s) · c + w · b``:
-    two matmuls on the cast codes and a few products the size of the scores. Products
+    ``Σ_i w_i v_i = (w s) · c + w · b``: two matmuls on the cast codes and a few products
+    the size of the scores. Products
     and softmax in ``butter_core.cpu_attention``'s form (keys as rows, ``softmax_for``).
 
     Every product runs over all allocated slots, the weights of those past ``length`` set

@@ -307,12 +307,11 @@ def decode_attention_live(
     (``live_params``) and the scale (float32, one element). The splits are planned for
     ``stored.length`` keys, which need not be the live length (``traced_decode_attention``
     plans for every allocated slot); nothing else of the call depends on the step."""
-    dims = queries.shape[-1]
+    batch, q_heads, _, dims = queries.shape
     if method is None:
         method = "mma" if gpu_backend() == "cuda" and attention_mma.serves(queries, stored) else "simt"
     elif method == "mma" and not attention_mma.serves(queries, stored):
         raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
-    batch, q_heads = queries.shape[:2]
     if method == "mma":
         partial_acc, partial_max, partial_sum = attention_mma.partials(
             queries, stored, params, scale_array, splits=splits, **tunables
