@@ -50,10 +50,3 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP) -> C
     call.traces = traces
     return call
 
-
-@functools.lru_cache(maxsize=64)
-def constant_array(value: float, dtype: mx.Dtype = mx.float32) -> mx.array:
-    """``value`` as a one-element array, made once per value and dtype: a per-call scalar
-    that rarely changes (a model's softmax scale), handed to a traced function as an input
-    without making an array every call."""
-    return mx.array([value], dtype=dtype)

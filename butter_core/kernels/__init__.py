@@ -12,6 +12,8 @@
 - ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
 - ``split_k``: the split-K (flash-decoding) helpers, launch plan and merge kernel that
   every fused single-query attention kernel shares.
+- ``params``: ``kernel_params``, a kernel's per-call parameters (a live length, a scale)
+  as arrays it reads from device memory, made once per value.
 - ``mma``: the fragment bookkeeping of tensor-core split-K decode kernels (query
   fragments, online softmax, partials), on the dialect's ``bt_mma_16x8x16``.
 """
@@ -27,6 +29,7 @@ from butter_core.kernels.kernel import (
     poisoned_outputs,
     recorded_builds,
 )
+from butter_core.kernels.params import kernel_params
 from butter_core.kernels import mma, split_k
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "default_device_is_gpu",
     "executed_by",
     "gpu_backend",
+    "kernel_params",
     "mma",
     "poisoned_outputs",
     "recorded_builds",

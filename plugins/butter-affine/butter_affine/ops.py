@@ -66,9 +66,9 @@ from functools import cache, partial, reduce
 import attrs
 import mlx.core as mx
 
-from butter_core.compiled import compile_by_shape, constant_array
+from butter_core.compiled import compile_by_shape
 from butter_core.cpu_attention import grouped_queries, softmax_for
-from butter_core.kernels import default_device_is_gpu, gpu_backend
+from butter_core.kernels import default_device_is_gpu, gpu_backend, kernel_params
 from butter_core.slots import unstack
 
 from butter_affine import codec
@@ -139,8 +139,8 @@ def kernel_decode(*, tensor_cores: bool) -> Decode:
         allocated = stacks["codes"].shape[-2]
         if not 0 < length <= allocated:
             raise ValueError(f"length {length} outside 1..{allocated}")
-        live = mx.array([length], dtype=mx.int32)
-        return traced(queries, stacks["codes"], stacks["scales_biases"], live, constant_array(scale))
+        return traced(queries, stacks["codes"], stacks["scales_biases"], kernel_params((length,), mx.int32),
+                      kernel_params((scale,), mx.float32))
 
     attend.traces = traced.traces
     return attend

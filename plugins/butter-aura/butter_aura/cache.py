@@ -7,6 +7,7 @@ import mlx.core as mx
 from butter_core.cache import LayerSpec, attend
 from butter_core.config import Aura
 from butter_core.errors import ConfigError
+from butter_core.kernels import kernel_params
 from butter_core.slots import BufferedSlotCache
 
 from butter_aura import reference
@@ -167,7 +168,7 @@ class AuraCache(BufferedSlotCache):
             value_scales=slots["value_scales"],
             fp_keys=self._fp["fp_keys"],
             fp_values=self._fp["fp_values"],
-            recent_slots=mx.array(self._recent, dtype=mx.int32),
+            recent_slots=kernel_params(self._recent, mx.int32),
             length=length,
             sinks=self.budget.sinks,
             key_codec=self.key_codec,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from butter_core.kernels import Kernel, KernelCheck, split_k
+from butter_core.kernels import Kernel, KernelCheck, kernel_params, split_k
 
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -204,8 +204,8 @@ def sdpa_decode(
             queries,
             keys,
             values,
-            mx.array([length], dtype=mx.int32),
-            mx.array([scale], dtype=mx.float32),
+            kernel_params((length,), mx.int32),
+            kernel_params((scale,), mx.float32),
         ],
         template=[("T", dtype), ("D", dims), ("HEADS", launch.heads), ("WARPS", _WARPS),
                   ("TILE", _TILE)],
@@ -237,7 +237,7 @@ def kv_cache_update(cache: mx.array, rows: mx.array, offset: int) -> mx.array:
     _check_update_args(cache, rows, offset)
     batch, heads, allocated, dims = cache.shape
     (out,) = _KV_CACHE_UPDATE(
-        inputs=[cache, rows, mx.array([offset], dtype=mx.int32)],
+        inputs=[cache, rows, kernel_params((offset,), mx.int32)],
         template=[("T", cache.dtype)],
         grid=(allocated * dims, batch * heads, 1),
         threadgroup=(dims, 1, 1),

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from butter_core.cache import reference_attention
-from butter_core.kernels import Kernel, split_k
+from butter_core.kernels import Kernel, kernel_params, split_k
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS
@@ -253,7 +253,7 @@ def decode_attention(
     _check_args(queries, key_codes, key_scales, value_codes, length)
     return decode_attention_live(
         queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
-        live=mx.array([length], dtype=mx.int32), scale=mx.array([scale], dtype=mx.float32), planned_length=length,
+        live=kernel_params((length,), mx.int32), scale=kernel_params((scale,), mx.float32), planned_length=length,
     )
 
 

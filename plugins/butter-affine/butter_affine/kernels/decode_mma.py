@@ -42,7 +42,10 @@ heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, side by side with
 SDPA on raw bf16 (9 rounds, each round's ratio; ``gpu_timing.side_by_side``), affine4
 takes 0.505x raw's time (median; rounds 0.493-0.529, 63.4-67.4 µs against 127-131) and
 affine8 0.589x (74-77 µs); five later runs of the same measurement 0.488-0.512x and
-0.581-0.596x; single passes of earlier runs gave 0.47-0.55x and 0.59-0.62x.
+0.581-0.596x; single passes of earlier runs gave 0.47-0.55x and 0.59-0.62x. With the
+length and scale in device memory (``kernel_params``, 2026-12-01; before, every warp read
+them from host memory), two runs in alternating processes gave affine4 0.482x and 0.486x
+against 0.499x and 0.518x before, and affine8 0.575x / 0.574x against 0.588x / 0.606x.
 Chained like a decode step's layers, 0.64-0.66x / 0.70-0.71x. At 4k and 32k it takes
 0.79-1.16x raw SDPA's time (per-call costs dominate there). The float32 ``decode`` takes
 157 µs at 128k. The partials kernel is the whole cost: with the merge kernel left out the
@@ -76,7 +79,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, mma, split_k
+from butter_core.kernels import Kernel, kernel_params, mma, split_k
 
 from butter_affine.kernels.codes import CODE_HELPERS, MMA_CODE_HELPERS
 from butter_affine.kernels.decode import _check_args, decode_attention_reference, make_inputs
@@ -344,7 +347,7 @@ def decode_attention(
     _check_args(queries, key_codes, key_scales, value_codes, length)
     return decode_attention_live(
         queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
-        live=mx.array([length], dtype=mx.int32), scale=mx.array([scale], dtype=mx.float32), planned_length=length,
+        live=kernel_params((length,), mx.int32), scale=kernel_params((scale,), mx.float32), planned_length=length,
         splits=splits,
     )
 

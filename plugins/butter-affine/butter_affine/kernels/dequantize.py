@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel
+from butter_core.kernels import Kernel, kernel_params
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS
@@ -75,7 +75,7 @@ def dequantize_kv(
         return mx.zeros(shape, dtype), mx.zeros(shape, dtype)
     keys, values = _DEQUANTIZE(
         inputs=[key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
-                mx.array([length], dtype=mx.int32)],
+                kernel_params((length,), mx.int32)],
         template=[("T", dtype), ("S", key_scales.dtype), ("D", fmt.head_dim), ("BITS", bits),
                   ("GROUP", fmt.group_size)],
         grid=(2 * batch * heads * length * fmt.head_dim // _RUN, 1, 1),

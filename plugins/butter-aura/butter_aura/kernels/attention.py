@@ -36,8 +36,8 @@ from collections.abc import Callable
 import attrs
 import mlx.core as mx
 
-from butter_core.compiled import compile_by_shape, constant_array
-from butter_core.kernels import Kernel, gpu_backend, split_k
+from butter_core.compiled import compile_by_shape
+from butter_core.kernels import Kernel, gpu_backend, kernel_params, split_k
 
 from butter_aura.codec import Codec
 from butter_aura.kernels import attention_mma
@@ -273,7 +273,7 @@ def decode_attention(
     ``min_keys`` for MMA) for benchmarks.
     """
     _check_decode(queries, stored)
-    return decode_attention_live(queries, stored, live_params(stored), mx.array([scale], dtype=mx.float32),
+    return decode_attention_live(queries, stored, live_params(stored), kernel_params((scale,), mx.float32),
                                  method=method, splits=splits, **tunables)
 
 
@@ -281,7 +281,7 @@ def live_params(stored: StoredLayer) -> mx.array:
     """What the kernels read of a layer's state when they run, as one int32 array: the live
     length, sinks, ring rows, and the smallest and largest slot the ring holds."""
     lo, hi = stored.recent_range()
-    return mx.array([stored.length, stored.sinks, stored.ring, lo, hi], dtype=mx.int32)
+    return kernel_params((stored.length, stored.sinks, stored.ring, lo, hi), mx.int32)
 
 
 def _check_decode(queries: mx.array, stored: StoredLayer) -> None:
@@ -350,7 +350,7 @@ def traced_decode_attention(queries: mx.array, stored: StoredLayer, scale: float
                      stored.sinks)
     return traced(queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
                   stored.value_scales, stored.fp_keys, stored.fp_values, stored.recent_slots, live_params(stored),
-                  constant_array(scale))
+                  kernel_params((scale,), mx.float32))
 
 
 @attrs.frozen(eq=False)

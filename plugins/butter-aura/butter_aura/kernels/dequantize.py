@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel
+from butter_core.kernels import Kernel, kernel_params
 
 from butter_aura.kernels.source import HELPERS
 from butter_aura.stored import StoredLayer
@@ -93,7 +93,7 @@ def dequantize(stored: StoredLayer, dtype: mx.Dtype) -> tuple[mx.array, mx.array
     if stored.rotation.permutation is not None:
         raise ValueError(f"the dequantize kernel serves power-of-two head sizes; got {dims}")
     kc, vc = stored.key_codec, stored.value_codec
-    params = mx.array([length, stored.sinks, stored.ring], dtype=mx.int32)
+    params = kernel_params((length, stored.sinks, stored.ring), mx.int32)
     keys, values = _DEQUANTIZE(
         inputs=[
             stored.key_codes, stored.key_scales, stored.value_codes, stored.value_scales, kc.book.levels_array(),
