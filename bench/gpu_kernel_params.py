@@ -9,6 +9,9 @@ once, in device memory, shared by the layers of a step. This times both forms in
 of 28 layers (each call's output the next call's query, as a decode step's layers wait on
 each other), bf16, 16 query / 8 KV heads, head_dim 128, affine4 and aura4v2, alternating
 the forms in each round; µs per layer, host build and evaluation (``gpu_timing.amortised``).
+The same for MLX's ``mx.fast.rope`` on a decode step's queries (1 x 32 heads x 1 x 128,
+bf16), which turns an int offset into an array of its own per call: 56 chained calls (the
+queries and keys of 28 layers), the offset as an int or through ``kernel_params``.
 
 Usage, on the lent H200 as the other GPU benches: ``python3 bench/gpu_kernel_params.py
 [context ...]`` (default 4096 131072).
@@ -28,7 +31,7 @@ from butter_aura.kernels.checks import make_split_inputs
 from butter_core.kernels import kernel_params
 from gpu_timing import amortised
 
-LAYERS, ROUNDS, Q_HEADS, KV_HEADS = 28, 3, 16, 8
+LAYERS, ROUNDS, Q_HEADS, KV_HEADS, HEAD_DIM = 28, 3, 16, 8, 128
 FORMS = ("made per call", "kernel_params")
 
 
@@ -61,17 +64,38 @@ def aura_step(inputs: dict, form: str):
     return step
 
 
-def chain(step, query: mx.array):
+def rope_step(offset: int, form: str):
+    def step(x: mx.array) -> mx.array:
+        at = offset if form == "made per call" else kernel_params((offset,), mx.int32).reshape(())
+        return mx.fast.rope(x, HEAD_DIM, traditional=False, base=1e6, scale=1.0, offset=at)
+
+    return step
+
+
+def chain(step, query: mx.array, layers: int = LAYERS):
     def build() -> list[mx.array]:
         q = query
-        for _ in range(LAYERS):
+        for _ in range(layers):
             q = step(q)
         return [q]
 
     return build
 
 
+def time_rope(offset: int = 4096) -> None:
+    x = mx.random.normal((1, 32, 1, HEAD_DIM)).astype(mx.bfloat16)
+    chains = {form: chain(rope_step(offset, form), x, 2 * LAYERS) for form in FORMS}
+    assert mx.array_equal(*(chains[form]()[0] for form in FORMS)).item(), "rope: the two forms disagree"
+    print(f"\n{2 * LAYERS} chained mx.fast.rope calls, µs per call (host build / evaluation)")
+    print("| round | form | rope |\n|---:|---|---:|")
+    for r in range(ROUNDS):
+        for form in FORMS:
+            t = amortised(chains[form], calls=2 * LAYERS)
+            print(f"| {r + 1} | {form} | {t.build_us:.1f} / {t.us:.1f} |", flush=True)
+
+
 def main(contexts: list[int]) -> None:
+    time_rope()
     for length in contexts:
         sizes = dict(length=length, allocated=length + 256, q_heads=Q_HEADS, kv_heads=KV_HEADS, dtype=mx.bfloat16)
         affine = affine_inputs(0, bits=4, group_size=32, **sizes)
