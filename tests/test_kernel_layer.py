@@ -11,6 +11,7 @@ import pytest
 from butter_core.kernels import (
     CheckResult,
     Kernel,
+    KernelCheck,
     KernelUnavailableError,
     default_device_is_gpu,
     gpu_backend,
@@ -18,7 +19,9 @@ from butter_core.kernels import (
     recorded_builds,
     relative_error,
     split_k,
+    tensor_cores_available,
 )
+from butter_core.kernels import backend as kernel_backend
 from butter_core.kernels.dialect import HEADER, MMA_HEADER, PREAMBLE, compact
 
 BACKENDS = ("metal", "cuda")
@@ -230,3 +233,28 @@ def test_compact_refuses_a_comment_continued_to_the_next_line():
     comment would compile that line, so ``compact`` refuses it."""
     with pytest.raises(ValueError, match="line continuation"):
         compact("int a = 1;  // one \\\nint b = 2;\n")
+
+
+@pytest.mark.parametrize(("capability", "runs"), [((7, 5), False), ((8, 0), True), ((9, 0), True), (None, True)])
+def test_tensor_core_kernels_need_compute_capability_8_on_cuda(monkeypatch, capability, runs):
+    """The device's compute capability decides whether tensor-core kernels, and the checks
+    of kernels built with them, run on CUDA (the capability stands in for a device: this
+    machine may have none; None: MLX does not report one). Metal emulates the vocabulary."""
+    monkeypatch.setattr(kernel_backend, "cuda_compute_capability", lambda: capability)
+    plain = _kernel("test_layer_tc_plain")
+    tensor = Kernel("test_layer_tc_mma", ["inp"], ["out"], "out[0] = inp[0];", mma=True)
+    check = KernelCheck(name="tc", kernel=tensor, reference=lambda **_: None, make_inputs=lambda seed: {}, cases=(),
+                        tensor_cores=True)
+    with recorded_builds("cuda"):
+        assert plain.available()
+        assert tensor.available() is runs
+        assert tensor_cores_available() is runs
+        assert check.runs_on("cuda") is runs
+        if not runs:
+            assert tensor.unavailable_reason() == (
+                "kernel 'test_layer_tc_mma' cannot run here: tensor-core instructions (mma.sync m16n8k16) need "
+                "CUDA compute capability 8.0 or newer; this GPU has 7.5")
+    with recorded_builds("metal"):
+        assert tensor.available() and check.runs_on("metal") and tensor_cores_available()
+    assert not KernelCheck(name="tc", kernel=tensor, reference=lambda **_: None, make_inputs=lambda seed: {},
+                           cases=(), backends=frozenset({"metal"})).runs_on("cuda")

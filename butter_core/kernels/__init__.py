@@ -1,6 +1,7 @@
 """The kernel layer: write a kernel body once, run it as a Metal or CUDA MLX kernel.
 
-- ``backend``: which GPU backend this process has.
+- ``backend``: which GPU backend this process has, and whether it runs the tensor-core
+  vocabulary (CUDA: compute capability 8.0 or newer).
 - ``dialect``: the vocabulary kernel bodies are written in, per backend.
 - ``kernel``: ``Kernel``, a lazily built custom kernel; output poisoning; ``executed_by``,
   which hands kernel calls to another executor as if on a given backend, and
@@ -18,7 +19,7 @@
   fragments, online softmax, partials), on the dialect's ``bt_mma_16x8x16``.
 """
 
-from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend
+from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend, tensor_cores_available
 from butter_core.kernels.checks import CheckResult, KernelCheck, relative_error
 from butter_core.kernels.kernel import (
     Build,
@@ -49,4 +50,5 @@ __all__ = [
     "recorded_builds",
     "relative_error",
     "split_k",
+    "tensor_cores_available",
 ]

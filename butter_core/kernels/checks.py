@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from butter_core.kernels.backend import BACKENDS, Backend
+from butter_core.kernels.backend import BACKENDS, Backend, tensor_cores_available
 from butter_core.kernels.kernel import poisoned_outputs
 
 Inputs = dict[str, Any]
@@ -59,7 +59,9 @@ class KernelCheck:
     conformance run covers (each may hold a ``dtype``). ``rtol`` bounds the relative
     error per output dtype. ``backends`` are those the kernel is built for (e.g. only
     ``{"cuda"}`` for a kernel that needs dynamic shared memory); elsewhere its check is
-    skipped.
+    skipped. ``tensor_cores``: the kernel uses the dialect's tensor-core vocabulary
+    (``Kernel(..., mma=True)``), so its check is skipped where that cannot run (CUDA
+    devices older than compute capability 8.0: ``tensor_cores_available``).
     """
 
     name: str
@@ -69,6 +71,11 @@ class KernelCheck:
     cases: tuple[Mapping[str, Any], ...]
     rtol: Mapping[mx.Dtype, float] = DEFAULT_RTOL
     backends: frozenset[Backend] = BACKENDS
+    tensor_cores: bool = False
+
+    def runs_on(self, backend: Backend) -> bool:
+        """Whether this check's kernel can run on ``backend``, this machine's GPU backend."""
+        return backend in self.backends and (not self.tensor_cores or tensor_cores_available())
 
     def run_kernel(self, inputs: Inputs) -> mx.array:
         """The kernel's output for ``inputs``, evaluated, with poisoned outputs."""

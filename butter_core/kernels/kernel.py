@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from butter_core.kernels.backend import _STANDING_IN, Backend, gpu_backend
+from butter_core.kernels.backend import _STANDING_IN, Backend, gpu_backend, tensor_core_shortfall
 from butter_core.kernels.dialect import kernel_header, kernel_source
 
 TemplateArg = tuple[str, "bool | int | mx.Dtype"]
@@ -164,6 +164,9 @@ class Kernel:
                 f"kernel {self.name!r} asks for dynamic shared memory, which "
                 "mx.fast.metal_kernel does not support"
             )
+        shortfall = tensor_core_shortfall() if self.mma else None
+        if shortfall:
+            return f"kernel {self.name!r} cannot run here: {shortfall}"
         return None
 
     def available(self) -> bool:

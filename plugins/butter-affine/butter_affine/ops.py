@@ -111,7 +111,7 @@ def select_ops(fmt: PackedFormat) -> AffineOps:
         ),
         decode=None,
     )
-    if backend == "cuda" and decode_mma.supports(fmt, fmt.dtype):
+    if backend == "cuda" and decode_mma.supports(fmt, fmt.dtype) and decode_mma.available():
         ops = attrs.evolve(ops, name="cuda kernels, tensor-core fused decode", decode=shared_kernel_decode(True))
     elif backend == "cuda" and decode.supports(fmt, fmt.dtype):
         ops = attrs.evolve(ops, name="cuda kernels, fused decode", decode=shared_kernel_decode(False))

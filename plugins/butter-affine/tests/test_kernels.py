@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from butter_core.kernels import gpu_backend, relative_error, split_k
+from butter_core.kernels import backend, gpu_backend, recorded_builds, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
 from butter_core.kernels.dialect import compact
 from butter_core.slots import unstack
@@ -217,14 +217,20 @@ def test_tensor_core_decode_supports(bits, head_dim, dtype, expected):
 
 
 @pytest.mark.parametrize(
-    ("bits", "head_dim", "dtype", "tensor_cores"),
-    [(4, 128, mx.bfloat16, True), (8, 128, mx.float16, True), (6, 128, mx.bfloat16, True),
-     (6, 64, mx.bfloat16, False), (4, 128, mx.float32, False)],
+    ("bits", "head_dim", "dtype", "capability", "tensor_cores"),
+    [(4, 128, mx.bfloat16, (9, 0), True), (8, 128, mx.float16, (8, 0), True), (6, 128, mx.bfloat16, None, True),
+     (6, 64, mx.bfloat16, (9, 0), False), (4, 128, mx.float32, (9, 0), False), (4, 128, mx.bfloat16, (7, 5), False)],
 )
-def test_cuda_ops_choose_the_tensor_core_kernel_where_it_applies(monkeypatch, bits, head_dim, dtype, tensor_cores):
-    monkeypatch.setattr(ops, "gpu_backend", lambda: "cuda")
+def test_cuda_ops_choose_the_tensor_core_kernel_where_it_applies(monkeypatch, bits, head_dim, dtype, capability,
+                                                                  tensor_cores):
+    """The tensor-core kernel where it takes the format and the device has the instructions
+    (compute capability 8.0; MLX's CUDA wheels also run on 7.5), else the float32 fused
+    kernel. ``recorded_builds`` answers "cuda" without a device; the capability and the
+    default device stand in for one."""
     monkeypatch.setattr(ops, "default_device_is_gpu", lambda: True)
-    chosen = ops.select_ops(PackedFormat(bits, 32, head_dim, dtype))
+    monkeypatch.setattr(backend, "cuda_compute_capability", lambda: capability)
+    with recorded_builds("cuda"):
+        chosen = ops.select_ops(PackedFormat(bits, 32, head_dim, dtype))
     assert chosen.decode is ops.shared_kernel_decode(tensor_cores)
 
 

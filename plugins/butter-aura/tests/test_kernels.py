@@ -8,7 +8,7 @@ import pytest
 
 from butter_core import LayerSpec
 from butter_core.cache import reference_attention
-from butter_core.kernels import gpu_backend, relative_error
+from butter_core.kernels import backend, gpu_backend, recorded_builds, relative_error
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 
 from butter_aura import cpu, reference
@@ -128,3 +128,16 @@ def test_traced_decode_serves_every_step_from_one_trace(key_bits, value_bits, dt
     traced = attention._traced(attrs.astuple(stored.key_codec, recurse=False),
                                attrs.astuple(stored.value_codec, recurse=False), stored.sinks)
     assert len(traced.traces) == 1
+
+
+@pytest.mark.parametrize(("capability", "partials"), [((7, 5), "butter_aura_decode_partials"),
+                                                      ((9, 0), "butter_aura_decode_mma_partials_65536")])
+def test_decode_takes_the_simt_kernel_on_gpus_without_tensor_cores(monkeypatch, capability, partials):
+    """On a CUDA device below compute capability 8.0 (T4, RTX 20xx: MLX's CUDA wheels run
+    there) the tensor-core kernel cannot compile, so decode goes to the SIMT kernel. The
+    capability stands in for a device; the builds are recorded, not run."""
+    monkeypatch.setattr(backend, "cuda_compute_capability", lambda: capability)
+    inputs = checks.make_stored(0, length=10, allocated=16)
+    with recorded_builds("cuda") as builds:
+        attention.decode_attention(**inputs)
+    assert [build.kernel.name for build in builds] == [partials, "butter_aura_decode_merge"]

@@ -178,6 +178,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         # check measured <= 1.3e-3 (fp16 <= 4.9e-4) under a CPU emulation of the CUDA build.
         # Tighter than the defaults, so a bf16-arithmetic slip (~1e-2) fails.
         rtol={mx.bfloat16: 5e-3, mx.float16: 1.5e-3},
+        tensor_cores=True,
     ),
 )
 """Every butter-affine kernel with its reference, for the conformance suite and the GPU bench."""

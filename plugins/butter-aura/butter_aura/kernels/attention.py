@@ -37,7 +37,7 @@ import attrs
 import mlx.core as mx
 
 from butter_core.compiled import compile_by_shape
-from butter_core.kernels import Kernel, gpu_backend, kernel_params, split_k
+from butter_core.kernels import Kernel, gpu_backend, kernel_params, split_k, tensor_cores_available
 
 from butter_aura.codec import Codec
 from butter_aura.kernels import attention_mma
@@ -268,7 +268,8 @@ def decode_attention(
 
     ``method``: ``"mma"`` (tensor-core partials, ``attention_mma``; CUDA, the configurations
     ``attention_mma.serves``) or ``"simt"`` (this module's partials kernel); None picks
-    ``"mma"`` wherever it serves. ``splits`` forces the split count (tests); ``tunables``
+    ``"mma"`` wherever it serves and the GPU has the instructions (``tensor_cores_available``:
+    CUDA compute capability 8.0 or newer). ``splits`` forces the split count (tests); ``tunables``
     are the chosen partials kernel's (``lanes``/``warps``/``tile`` here, ``warps``/``blocks``/
     ``min_keys`` for MMA) for benchmarks.
     """
@@ -309,7 +310,8 @@ def decode_attention_live(
     plans for every allocated slot); nothing else of the call depends on the step."""
     batch, q_heads, _, dims = queries.shape
     if method is None:
-        method = "mma" if gpu_backend() == "cuda" and attention_mma.serves(queries, stored) else "simt"
+        method = ("mma" if gpu_backend() == "cuda" and tensor_cores_available() and attention_mma.serves(queries, stored)
+                  else "simt")
     elif method == "mma" and not attention_mma.serves(queries, stored):
         raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
     if method == "mma":

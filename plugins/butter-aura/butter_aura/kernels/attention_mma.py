@@ -573,7 +573,8 @@ def partials_kernel(shared: int) -> Kernel:
 
 
 def serves(queries: mx.array, stored) -> bool:
-    """Whether this kernel serves these queries over ``stored`` (else the SIMT kernel does)."""
+    """Whether this kernel serves these queries over ``stored`` (else the SIMT kernel does;
+    so it does on CUDA devices without tensor-core instructions: ``tensor_cores_available``)."""
     kc, vc = stored.key_codec, stored.value_codec
     dims = queries.shape[-1]
     return (

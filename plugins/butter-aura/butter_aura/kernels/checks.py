@@ -240,6 +240,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         ),
         rtol=ATTENTION_RTOL,
         backends=frozenset({"cuda"}),  # 64 KB of dynamic shared memory, which Metal's custom kernels lack
+        tensor_cores=True,
     ),
     KernelCheck(
         name="dequantize",
