@@ -42,6 +42,11 @@ def filled(name: str, context: int):
     for cache in caches:
         cache.append(keys, values)
     mx.eval([cache.buffers() for cache in caches])
+    # MLX's CPU allocator keeps at most 32 MB of freed buffers and never evicts one to make
+    # room; the fill's leave it full of sizes a step cannot reuse, and then the step's own
+    # temporaries are mapped afresh every time (affine8 at 1k: 23-27 ms a token instead of
+    # 11-12). Emptied, the timings measure the ops, not that state.
+    mx.clear_cache()
     return caches
 
 
