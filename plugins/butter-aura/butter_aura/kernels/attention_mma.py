@@ -573,8 +573,9 @@ def partials_kernel(shared: int) -> Kernel:
 
 
 def serves(queries: mx.array, stored) -> bool:
-    """Whether this kernel serves these queries over ``stored`` (else the SIMT kernel does;
-    so it does on CUDA devices without tensor-core instructions: ``tensor_cores_available``)."""
+    """Whether this kernel serves these queries over ``stored`` (else the SIMT kernel does).
+    Callers also check ``tensor_cores_available``: on CUDA devices older than compute
+    capability 8.0 the SIMT kernel serves everything."""
     kc, vc = stored.key_codec, stored.value_codec
     dims = queries.shape[-1]
     return (
