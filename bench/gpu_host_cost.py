@@ -14,7 +14,9 @@ compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugin
    query / 8 KV heads, head_dim 128, 4k keys), built and evaluated the same way, against
    MLX's SDPA on raw bf16 of the same shape; each scheme's both as a call built anew and
    as its caches make it on CUDA, a trace replayed (butter-affine's ``ops.kernel_decode``
-   from the two stacks, butter-aura's ``attention.traced_decode_attention``).
+   from the two stacks, butter-aura's ``attention.traced_decode_attention``); and
+   butter-affine's one-token append (``quantize_kv``), built anew and traced
+   (``ops.traced_quantize``).
 3. The source MLX receives from butter for each kernel defined (header and body, CUDA;
    MLX adds its own includes), in KB.
 """
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from butter_affine import ops as affine_ops
-from butter_affine.kernels import decode_mma
+from butter_affine.kernels import decode_mma, quantize
 from butter_affine.kernels.decode import make_inputs as affine_inputs
 from butter_affine.packing import BUFFERS, stack
 from butter_aura.kernels import attention
@@ -75,6 +77,8 @@ def decode_calls() -> None:
     mx.eval(aura["queries"], aura["stored"].key_codes, [v for v in affine.values() if isinstance(v, mx.array)], keys,
             values, affine_stacks)
     traced = affine_ops.kernel_decode(tensor_cores=True)
+    traced_quantize = affine_ops.traced_quantize(4, 32)
+    row = mx.random.normal((1, KV_HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
     paths = {
         "raw bf16, mx.fast.scaled_dot_product_attention": lambda: mx.fast.scaled_dot_product_attention(
             affine["queries"], keys, values, scale=HEAD_DIM**-0.5),
@@ -85,6 +89,9 @@ def decode_calls() -> None:
         "affine4, decode_mma.decode_attention (2 kernels)": lambda: decode_mma.decode_attention(**affine),
         "affine4, ops.kernel_decode (the same, traced)": lambda: traced(
             affine["queries"], affine_stacks, affine["length"], affine["scale"]),
+        "affine4 append of one token, quantize.quantize_kv (1 kernel)": lambda: quantize.quantize_kv(
+            row, row, bits=4, group_size=32),
+        "affine4 append of one token, ops.traced_quantize (the same, traced)": lambda: traced_quantize(row, row),
     }
     print("\n| 4k keys, one query | build µs/call | eval µs/call |\n|---|---:|---:|")
     for name, call in paths.items():

@@ -5,7 +5,7 @@ and single-token decode attention. Per backend, from measurement:
 
 | operation | CPU | CUDA | Metal (not measured: no Apple GPU here) |
 |---|---|---|---|
-| quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel | ``quantize_kv`` kernel |
+| quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel, traced once per row shape (``traced_quantize``) | ``quantize_kv`` kernel |
 | dequantize | reference (``codec.dequantize``), compiled | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
 | decode | float32: 8-bit codes with one group per row: the codes cast to float32 and matmuls, scales and biases applied to the products (``one_group_decode``); other float32 formats: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel; either traced once per buffer shape (``kernel_decode``) | dequantize + SDPA (the seed's path) |
 
@@ -102,7 +102,8 @@ def select_ops(fmt: PackedFormat) -> AffineOps:
     backend = gpu_backend() if default_device_is_gpu() else None
     if backend is None:
         return _cpu_ops(fmt)
-    kernel_quantize = partial(quantize.quantize_kv, bits=fmt.bits, group_size=fmt.group_size)
+    kernel_quantize = (traced_quantize(fmt.bits, fmt.group_size) if backend == "cuda"
+                       else partial(quantize.quantize_kv, bits=fmt.bits, group_size=fmt.group_size))
     ops = AffineOps(
         name=f"{backend} kernels",
         quantize=kernel_quantize,
@@ -116,6 +117,14 @@ def select_ops(fmt: PackedFormat) -> AffineOps:
     elif backend == "cuda" and decode.supports(fmt, fmt.dtype):
         ops = attrs.evolve(ops, name="cuda kernels, fused decode", decode=shared_kernel_decode(False))
     return ops
+
+
+@cache
+def traced_quantize(bits: int, group_size: int) -> Quantize:
+    """``quantize.quantize_kv`` traced once per row shape (``compile_by_shape``) and shared by
+    every layer's cache: on CUDA a decode step's append replays one trace per layer instead
+    of building the kernel call anew, as ``kernel_decode`` does for attention."""
+    return compile_by_shape(partial(quantize.quantize_kv, bits=bits, group_size=group_size))
 
 
 def kernel_decode(*, tensor_cores: bool) -> Decode:

@@ -288,3 +288,22 @@ def test_tensor_core_decode_rejects_formats_it_does_not_take():
     inputs = decode.make_inputs(0, bits=6, head_dim=64, allocated=64, length=10)
     with pytest.raises(ValueError, match="tensor-core"):
         decode_mma.decode_attention(**inputs)
+
+
+def test_cuda_appends_replay_one_trace_shared_by_every_layer(monkeypatch):
+    """On CUDA every layer's cache appends through the same traced ``quantize_kv``, which
+    builds its kernel call once per row shape (``recorded_builds`` answers "cuda" and
+    records each build; a fresh trace, so none made with these stand-ins outlives the test)."""
+    monkeypatch.setattr(ops, "default_device_is_gpu", lambda: True)
+    fmt = PackedFormat(4, 32, 128, mx.bfloat16)
+    with recorded_builds("cuda") as builds:
+        assert ops.select_ops(fmt).quantize is ops.select_ops(fmt).quantize is ops.traced_quantize(4, 32)
+        traced = ops.traced_quantize.__wrapped__(4, 32)
+        rows = mx.ones((1, 2, 1, 128), mx.bfloat16)
+        for _ in range(3):
+            out = traced(rows, rows)
+            mx.eval(out)
+        assert len(builds) == 1 and builds[0].kernel is quantize._QUANTIZE
+        traced(mx.ones((1, 2, 4, 128), mx.bfloat16), mx.ones((1, 2, 4, 128), mx.bfloat16))
+        assert len(builds) == 2
+    assert sorted(out) == sorted(STACKS) and out["codes"].shape == (2, 1, 2, 1, 16)
