@@ -307,3 +307,15 @@ def test_cuda_appends_replay_one_trace_shared_by_every_layer(monkeypatch):
         traced(mx.ones((1, 2, 4, 128), mx.bfloat16), mx.ones((1, 2, 4, 128), mx.bfloat16))
         assert len(builds) == 2
     assert sorted(out) == sorted(STACKS) and out["codes"].shape == (2, 1, 2, 1, 16)
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize(("bits", "group_size"), [(8, 64), (6, 32), (4, 32), (4, 64)])
+def test_cpu_float32_append_is_the_reference_stacked(bits, group_size):
+    """The CPU's float32 append (one ``mx.quantize`` over keys and values) gives the
+    reference's stacks exactly: the same codes, scales and biases, in ``STACKS`` order."""
+    keys, values = (mx.random.normal((1, 3, 5, 64), key=mx.random.key(seed)) * 2 for seed in (bits, group_size))
+    ours = ops.select_ops(PackedFormat(bits, group_size, 64, mx.float32)).quantize(keys, values)
+    reference = quantize.quantize_kv_reference(keys, values, bits=bits, group_size=group_size)
+    assert sorted(ours) == sorted(STACKS)
+    assert all(mx.array_equal(ours[name], reference[name]).item() for name in STACKS)
