@@ -1,9 +1,12 @@
-"""``butter plugins [--json]``: installed schemes with their distribution, version and hooks."""
+"""``butter plugins [--json]``: installed schemes with their distribution, version and hooks,
+and what this machine gives GPU kernels."""
 
 from __future__ import annotations
 
 import json
 
+from butter_core.kernels import backend as kernel_backend
+from butter_core.kernels import gpu_backend, tensor_cores_available
 from butter_core.plugins import get_plugin_host
 
 
@@ -30,8 +33,9 @@ def run(args) -> int:
         for record in host.plugins.values()
     ]
     problems = [{"distribution": p.distribution, "entry_point": p.entry_point, "message": p.message} for p in host.problems]
+    kernels = gpu_kernels()
     if args.json:
-        print(json.dumps({"plugins": plugins, "problems": problems}, indent=2))
+        print(json.dumps({"plugins": plugins, "problems": problems, "gpu_kernels": kernels}, indent=2))
         return 0
     for plugin in plugins:
         print(f"{plugin['distribution']} {plugin['version']}  (plugin {plugin['name']})")
@@ -42,4 +46,26 @@ def run(args) -> int:
         print(f"  hooks: {', '.join(plugin['hooks'])}")
     for problem in problems:
         print(f"problem: {problem['distribution']} ({problem['entry_point']}): {problem['message']}")
+    print(describe_gpu_kernels(kernels))
     return 0
+
+
+def gpu_kernels() -> dict:
+    """What this machine gives the schemes' GPU kernels: MLX's GPU backend (None: CPU only)
+    and, on CUDA, the device's compute capability and whether tensor-core kernels run."""
+    backend = gpu_backend()
+    capability = kernel_backend.cuda_compute_capability() if backend == "cuda" else None
+    return {"backend": backend, "compute_capability": list(capability) if capability else None,
+            "tensor_cores": tensor_cores_available()}
+
+
+def describe_gpu_kernels(kernels: dict) -> str:
+    """``gpu_kernels`` as one line."""
+    if kernels["backend"] is None:
+        return "GPU kernels: none (this MLX has no GPU backend; every scheme runs its pure-mx code)"
+    line = f"GPU kernels: {kernels['backend']}"
+    if kernels["compute_capability"]:
+        line += ", compute capability {}.{}".format(*kernels["compute_capability"])
+    if not kernels["tensor_cores"]:
+        line += "; no tensor-core instructions, so schemes take their other kernels"
+    return line
