@@ -73,7 +73,7 @@ from butter_core.slots import unstack
 
 from butter_affine import codec
 from butter_affine.kernels import decode, decode_mma, dequantize, quantize
-from butter_affine.packing import BUFFERS, STACKS, PackedFormat
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat, stack_quantized_pair
 
 Buffers = dict[str, mx.array]
 """Arrays by buffer name (``packing.BUFFERS``) or by stack name (``packing.STACKS``)."""
@@ -168,12 +168,10 @@ def _cpu_ops(fmt: PackedFormat) -> AffineOps:
     bits, group_size = fmt.bits, fmt.group_size
     if fmt.dtype == mx.float32:
         def quantize_rows(keys, values):
-            # One mx.quantize over keys and values stacked: its codes are the codes stack as
-            # they come; its scales and biases interleave into (key scale, key bias, value
-            # scale, value bias). ``bench/cpu_decode_paths.py`` (affine8, 1k): the append of 30 layers
-            # 0.96-1.09 ms a token, against 1.26-1.35 with one mx.quantize each.
-            codes, scales, biases = mx.quantize(mx.stack([keys, values]), group_size=group_size, bits=bits)
-            return {"codes": codes, "scales_biases": mx.stack([scales, biases], axis=1).reshape(4, *scales.shape[1:])}
+            # One mx.quantize over keys and values stacked. ``bench/cpu_decode_paths.py``
+            # (affine8, 1k): the append of 30 layers 0.96-1.09 ms a token, against 1.26-1.35
+            # with one mx.quantize each.
+            return stack_quantized_pair(*mx.quantize(mx.stack([keys, values]), group_size=group_size, bits=bits))
     else:
         quantize_rows = compile_by_shape(partial(quantize.quantize_kv_reference, bits=bits, group_size=group_size))
 

@@ -42,6 +42,13 @@ def stack(rows: dict[str, mx.array]) -> dict[str, mx.array]:
     return {name: mx.stack([rows[member] for member in members]) for name, members in STACKS.items()}
 
 
+def stack_quantized_pair(codes: mx.array, scales: mx.array, biases: mx.array) -> dict[str, mx.array]:
+    """Rows by stack (``STACKS``) from keys and values quantized together, each output with
+    a leading axis of 2 (keys, values): the codes are the codes stack as they come; scales
+    and biases interleave into (key scale, key bias, value scale, value bias)."""
+    return {"codes": codes, "scales_biases": mx.stack([scales, biases], axis=1).reshape(4, *scales.shape[1:])}
+
+
 @attrs.frozen
 class PackedFormat:
     """Sizes of one packed row for ``bits`` per code, groups of ``group_size``, ``head_dim`` values."""
