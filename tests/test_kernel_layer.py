@@ -216,6 +216,29 @@ def test_split_k_plan():
     assert forced.n_splits == 3 and forced.grid[1] == 3 and forced.output_shapes[0] == (2, 24, 3, 64)
 
 
+def test_split_k_plan_scales_its_target_to_the_gpu(monkeypatch):
+    """``target_blocks`` is tuned on an H200 (132 multiprocessors); on a GPU with another
+    count the plan keeps the same threadgroups per multiprocessor."""
+    sizes = dict(batch=1, q_heads=32, kv_heads=8, dims=128, length=131072, warps=4, max_heads=4, min_keys=64)
+    assert kernel_backend.gpu_shape() == kernel_backend.TUNED_ON  # CPU-only here, or recorded
+    assert split_k.plan(**sizes, target_blocks=264).n_splits == 33  # 8 threadgroups per split
+    for multiprocessors, splits in ((66, 17), (108, 27), (264, 66)):
+        shape = kernel_backend.GpuShape(multiprocessors, 100 * 1024, 65536)
+        monkeypatch.setattr(kernel_backend, "gpu_shape", lambda shape=shape: shape)
+        assert kernel_backend.scaled_to_gpu(264) == math.ceil(264 * multiprocessors / 132)
+        assert split_k.plan(**sizes, target_blocks=264).n_splits == splits
+
+
+@pytest.mark.skipif(kernel_backend.gpu_backend() != "cuda", reason="asks a CUDA device")
+def test_gpu_shape_is_the_cuda_devices():
+    """On CUDA the shape comes from the driver: a plausible multiprocessor count, shared
+    memory and registers (an H200's are ``TUNED_ON``)."""
+    shape = kernel_backend.gpu_shape()
+    assert 1 <= shape.multiprocessors <= 1024
+    assert 64 * 1024 <= shape.shared_per_multiprocessor <= 1024 * 1024
+    assert shape.registers_per_multiprocessor >= 32768
+
+
 @no_gpu
 def test_merge_partials_needs_a_gpu():
     partial_max = mx.zeros((1, 2, 3))

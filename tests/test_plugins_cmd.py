@@ -30,18 +30,22 @@ def test_plugins_json_has_the_gpu_kernels(capsys):
 
 
 def test_gpu_kernels_line_without_a_gpu_backend():
-    assert describe_gpu_kernels({"backend": None, "compute_capability": None, "tensor_cores": False}) == (
+    assert describe_gpu_kernels({"backend": None, "compute_capability": None, "multiprocessors": None,
+                                 "tensor_cores": False}) == (
         "GPU kernels: none (this MLX has no GPU backend; every scheme runs its pure-mx code)")
 
 
 @pytest.mark.parametrize(("capability", "line"), [
-    ((7, 5), "GPU kernels: cuda, compute capability 7.5; no tensor-core instructions, so schemes take their other kernels"),
-    ((9, 0), "GPU kernels: cuda, compute capability 9.0"),
+    ((7, 5), "GPU kernels: cuda, compute capability 7.5, 132 multiprocessors; no tensor-core instructions, "
+             "so schemes take their other kernels"),
+    ((9, 0), "GPU kernels: cuda, compute capability 9.0, 132 multiprocessors"),
 ])
 def test_gpu_kernels_line_on_cuda(monkeypatch, capability, line):
-    """The device's compute capability stands in for one (``recorded_builds`` answers "cuda")."""
+    """The device's compute capability stands in for one (``recorded_builds`` answers "cuda",
+    and an H200's shape, ``backend.TUNED_ON``)."""
     monkeypatch.setattr(kernel_backend, "cuda_compute_capability", lambda: capability)
     with recorded_builds("cuda"):
         kernels = gpu_kernels()
-    assert kernels == {"backend": "cuda", "compute_capability": list(capability), "tensor_cores": capability >= (8, 0)}
+    assert kernels == {"backend": "cuda", "compute_capability": list(capability), "multiprocessors": 132,
+                       "tensor_cores": capability >= (8, 0)}
     assert describe_gpu_kernels(kernels) == line

@@ -52,11 +52,13 @@ def run(args) -> int:
 
 def gpu_kernels() -> dict:
     """What this machine gives the schemes' GPU kernels: MLX's GPU backend (None: CPU only)
-    and, on CUDA, the device's compute capability and whether tensor-core kernels run."""
+    and, on CUDA, the device's compute capability, its multiprocessors (what split plans
+    size their launches by) and whether tensor-core kernels run."""
     backend = gpu_backend()
     capability = kernel_backend.cuda_compute_capability() if backend == "cuda" else None
+    multiprocessors = kernel_backend.gpu_shape().multiprocessors if backend == "cuda" else None
     return {"backend": backend, "compute_capability": list(capability) if capability else None,
-            "tensor_cores": tensor_cores_available()}
+            "multiprocessors": multiprocessors, "tensor_cores": tensor_cores_available()}
 
 
 def describe_gpu_kernels(kernels: dict) -> str:
@@ -66,6 +68,8 @@ def describe_gpu_kernels(kernels: dict) -> str:
     line = f"GPU kernels: {kernels['backend']}"
     if kernels["compute_capability"]:
         line += ", compute capability {}.{}".format(*kernels["compute_capability"])
+    if kernels["multiprocessors"]:
+        line += f", {kernels['multiprocessors']} multiprocessors"
     if not kernels["tensor_cores"]:
         line += "; no tensor-core instructions, so schemes take their other kernels"
     return line

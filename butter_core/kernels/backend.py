@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import functools
+import math
 from typing import Literal
 
+import attrs
 import mlx.core as mx
 
 Backend = Literal["metal", "cuda"]
@@ -75,3 +78,64 @@ def _device_capability() -> tuple[int, int] | None:
     if "compute_capability_major" not in info:
         return None
     return int(info["compute_capability_major"]), int(info.get("compute_capability_minor", 0))
+
+
+@attrs.frozen
+class GpuShape:
+    """What a split plan sizes its launch by: the GPU's multiprocessors (CUDA's SMs), and
+    the shared memory (bytes) and 32-bit registers each one holds."""
+
+    multiprocessors: int
+    shared_per_multiprocessor: int
+    registers_per_multiprocessor: int
+
+
+TUNED_ON = GpuShape(multiprocessors=132, shared_per_multiprocessor=228 * 1024, registers_per_multiprocessor=65536)
+"""The NVIDIA H200's shape: what butter's split plans were measured and tuned on, and what
+``gpu_shape`` answers where it cannot ask the device (Metal, whose MLX reports no core
+count; ``recorded_builds``)."""
+
+_CU_MULTIPROCESSOR_COUNT = 16
+_CU_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
+_CU_MAX_REGISTERS_PER_MULTIPROCESSOR = 82
+"""``CUdevice_attribute`` values (cuda.h)."""
+
+
+def gpu_shape() -> GpuShape:
+    """The shape of MLX's GPU (device 0): on CUDA asked of the driver once per process,
+    else (or where the driver cannot be asked) ``TUNED_ON``."""
+    if gpu_backend() != "cuda" or _STANDING_IN.get() is not None:
+        return TUNED_ON
+    return _cuda_shape() or TUNED_ON
+
+
+def scaled_to_gpu(blocks_on_tuned: int) -> int:
+    """A threadgroup count tuned on ``TUNED_ON`` (so many per multiprocessor there), for this
+    GPU's multiprocessor count: the same threadgroups per multiprocessor, so the same
+    waves; unchanged on an H200."""
+    multiprocessors = gpu_shape().multiprocessors
+    if multiprocessors == TUNED_ON.multiprocessors:
+        return blocks_on_tuned
+    return max(1, math.ceil(blocks_on_tuned * multiprocessors / TUNED_ON.multiprocessors))
+
+
+@functools.cache
+def _cuda_shape() -> GpuShape | None:
+    """Device 0's shape from the CUDA driver API (``libcuda.so.1``, which every CUDA
+    process has loaded), through ctypes: MLX's ``device_info`` gives no multiprocessor
+    count. None where the library or a query fails."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device = ctypes.c_int()
+    if driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(device), 0) != 0:
+        return None
+    values = []
+    for attribute in (_CU_MULTIPROCESSOR_COUNT, _CU_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+                      _CU_MAX_REGISTERS_PER_MULTIPROCESSOR):
+        value = ctypes.c_int()
+        if driver.cuDeviceGetAttribute(ctypes.byref(value), attribute, device) != 0 or value.value <= 0:
+            return None
+        values.append(value.value)
+    return GpuShape(*values)

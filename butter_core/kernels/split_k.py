@@ -58,6 +58,7 @@ import math
 import attrs
 import mlx.core as mx
 
+from butter_core.kernels.backend import scaled_to_gpu
 from butter_core.kernels.kernel import Kernel
 
 SPLIT_K_HELPERS = r"""
@@ -258,7 +259,6 @@ class SplitKLaunch:
     output_dtypes: tuple[mx.Dtype, ...] = (mx.float32,) * 3
 
 
-@functools.lru_cache(maxsize=4096)
 def plan(
     *,
     batch: int,
@@ -274,8 +274,19 @@ def plan(
 ) -> SplitKLaunch:
     """The launch of a partials kernel over ``length`` live keys: ``warps`` warps per
     threadgroup (its ``WARPS``), up to ``max_heads`` query heads per threadgroup, splits
-    chosen by ``num_splits`` (or ``splits``, forced). Cached: a decode step asks once
-    per layer with the same arguments, and the answer is an immutable ``SplitKLaunch``."""
+    chosen by ``num_splits`` (or ``splits``, forced). ``target_blocks`` is a count tuned
+    on an H200, scaled to this GPU's multiprocessors (``backend.scaled_to_gpu``)."""
+    return _plan(batch=batch, q_heads=q_heads, kv_heads=kv_heads, dims=dims, length=length, warps=warps,
+                 max_heads=max_heads, min_keys=min_keys, target_blocks=scaled_to_gpu(target_blocks), splits=splits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(
+    *, batch: int, q_heads: int, kv_heads: int, dims: int, length: int, warps: int, max_heads: int,
+    min_keys: int, target_blocks: int, splits: int | None,
+) -> SplitKLaunch:
+    """``plan`` for this GPU's ``target_blocks``. Cached: a decode step asks once per layer
+    with the same arguments, and the answer is an immutable ``SplitKLaunch``."""
     heads = heads_per_block(q_heads // kv_heads, max_heads)
     blocks = batch * q_heads // heads
     n_splits = splits or num_splits(length, blocks, min_keys=min_keys, target_blocks=target_blocks)

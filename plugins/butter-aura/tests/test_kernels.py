@@ -8,7 +8,7 @@ import pytest
 
 from butter_core import LayerSpec
 from butter_core.cache import reference_attention
-from butter_core.kernels import backend, gpu_backend, recorded_builds, relative_error
+from butter_core.kernels import backend, executed_by, gpu_backend, recorded_builds, relative_error
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 
 from butter_aura import cpu, reference
@@ -98,14 +98,51 @@ def test_tensor_core_kernel_leaves_other_schemes_to_the_simt_kernel():
         attention.decode_attention(**inputs, method="mma")
 
 
+GPUS = {
+    "H200": backend.TUNED_ON,
+    "A100": backend.GpuShape(multiprocessors=108, shared_per_multiprocessor=164 * 1024,
+                             registers_per_multiprocessor=65536),
+    "RTX 4090": backend.GpuShape(multiprocessors=128, shared_per_multiprocessor=100 * 1024,
+                                 registers_per_multiprocessor=65536),
+}
+
+
+@pytest.mark.parametrize("gpu", GPUS)
 @pytest.mark.parametrize("length", [1, 100, 4096, 32768, 131072, 10**6])
 @pytest.mark.parametrize("blocks_per_split", [1, 8, 16, 64])
-def test_tensor_core_launch_is_at_most_one_wave(length, blocks_per_split):
-    resident = attention_mma.SMS * attention_mma.blocks_per_sm(attention_mma.shared_bytes(4, 4, 128), 4)
+def test_tensor_core_launch_is_at_most_one_wave(length, blocks_per_split, gpu):
+    shape = GPUS[gpu]
+    resident = shape.multiprocessors * attention_mma.blocks_per_sm(attention_mma.shared_bytes(4, 4, 128), 4, shape)
     splits = attention_mma.num_splits(length, blocks_per_split, resident, attention_mma.MIN_KEYS_PER_SPLIT)
     assert splits >= 1
     assert splits == 1 or splits * blocks_per_split <= resident
     assert splits <= -(-length // attention_mma.MIN_KEYS_PER_SPLIT)
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+def test_tensor_core_launch_follows_the_device(monkeypatch, gpu):
+    """The partials launch of a 128k decode fills one wave of the device's own shape: three
+    threadgroups per multiprocessor on an H200 (registers), two on an A100 and one on an RTX
+    4090 (the 64 KB of tables in their 164 and 100 KB of shared memory). The shape stands in
+    for a device; the launches are recorded, not run."""
+    shape = GPUS[gpu]
+    monkeypatch.setattr(attention_mma, "gpu_shape", lambda: shape)
+    monkeypatch.setattr(backend, "cuda_compute_capability", lambda: (9, 0))
+    inputs = checks.make_stored(0, q_heads=32, kv_heads=8, head_dim=128, allocated=131072, length=131072,
+                                dtype=mx.bfloat16, encoded=False)
+    grids = []
+
+    def record(launch):
+        grids.append((launch.build.kernel.name, launch.grid, launch.threadgroup))
+        return [mx.zeros(s, d) for s, d in zip(launch.output_shapes, launch.build.output_dtypes)]
+
+    with executed_by("cuda", record):
+        attention.decode_attention(**inputs, method="mma")
+    name, grid, threadgroup = grids[0]
+    assert name.startswith("butter_aura_decode_mma_partials")
+    threadgroups = grid[0] // threadgroup[0] * grid[1]
+    per_sm = {"H200": 3, "A100": 2, "RTX 4090": 1}[gpu]
+    assert shape.multiprocessors * per_sm - 8 < threadgroups <= shape.multiprocessors * per_sm
 
 
 @pytest.mark.skipif(gpu_backend() != "cuda", reason="the traced decode runs on CUDA only")

@@ -36,7 +36,8 @@ _MAX_HEADS_PER_BLOCK = 8
 """Query heads one threadgroup serves; its registers grow with this."""
 _MIN_KEYS_PER_SPLIT = 64
 _TARGET_BLOCKS = 512
-"""The split count aims at this many threadgroups in the partials pass."""
+"""The split count aims at this many threadgroups in the partials pass on an H200
+(``split_k.plan`` scales it to the device's multiprocessors)."""
 
 _SDPA_PARTIALS = Kernel(
     name="butter_raw_sdpa_decode_partials",

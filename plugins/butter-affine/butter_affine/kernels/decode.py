@@ -53,7 +53,8 @@ PREFETCH = True
 """Load the next step's keys before working on the current ones."""
 MIN_KEYS_PER_SPLIT = 64
 TARGET_BLOCKS = 528
-"""Threadgroups the split count aims at: two waves of two per multiprocessor on an H200 (132)."""
+"""Threadgroups the split count aims at: two waves of two per multiprocessor on an H200 (132;
+``split_k.plan`` scales it to the device's multiprocessors)."""
 
 _PARTIALS = Kernel(
     name="butter_affine_decode_partials",

@@ -54,7 +54,8 @@ MAX_HEADS_PER_BLOCK = 4
 """Query heads one partials threadgroup serves; its registers grow with this."""
 MIN_KEYS_PER_SPLIT = 128
 TARGET_BLOCKS = 528
-"""The split count aims at this many partials threadgroups (4 per H200 SM)."""
+"""The split count aims at this many partials threadgroups on an H200 (4 per multiprocessor;
+``split_k.plan`` scales it to the device's multiprocessors)."""
 
 _PARTIALS = Kernel(
     name="butter_aura_decode_partials",

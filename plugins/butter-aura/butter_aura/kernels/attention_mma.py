@@ -55,7 +55,8 @@ the recent ring) are skipped as in the SIMT kernel: a step wholly inside ``[sink
 end)`` and outside the ring's slot range takes no per-key test. After the loop each
 warp's state goes to shared memory (over the tables) and ``mma_write_partials`` merges
 the warps and writes the split's partials. The split count fills the GPU with one wave
-of threadgroups (``num_splits``).
+of threadgroups (``num_splits``), counted from the device's multiprocessors, shared memory
+and registers (``butter_core.kernels.backend.gpu_shape``).
 
 Precision: levels, query and P' are rounded to float16 once each (relative 2^-11) and
 every product is summed in float32; exponentials use the hardware's ``ex2.approx``.
@@ -68,6 +69,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from butter_core.kernels import Kernel, mma, split_k
+from butter_core.kernels.backend import GpuShape, gpu_shape
 
 from butter_aura.kernels.source import HELPERS
 
@@ -100,12 +102,10 @@ splits pay for tables more than for keys: H200, aura4v2, side by side with 128 (
 2026-11-30, ``python3 bench/gpu_aura.py --sections min-keys``): 4k 34.3 against 43.0 µs
 (0.81x; 1024: 0.76x), 32k 50.7 against 59.6 (0.84x); at 128k the one-wave cap decides the
 split count for every value from 128 to 2048 (0.95-0.99x, noise)."""
-SMS = 132
-"""Streaming multiprocessors of the H200."""
 REGISTERS = 168
 """Registers per thread the launch is planned with: nvcc reports 128-168 for these builds."""
-SHARED_PER_SM = 228 * 1024
-"""Shared memory of an H200 multiprocessor, of which each threadgroup also takes 1 KB."""
+RESERVED_SHARED = 1024
+"""Shared memory CUDA reserves per threadgroup (compute capability 8.0 and newer)."""
 STATIC_SHARED = 2 * 256 * 4 + MAX_HEADS_PER_BLOCK * 128 * 4
 """The kernel's static shared arrays at most (two codebooks, the rotated queries)."""
 
@@ -115,10 +115,11 @@ def shared_bytes(warps: int, heads: int, dims: int) -> int:
     return max(LUT_BYTES, warps * heads * (dims + 2) * 4)
 
 
-def blocks_per_sm(shared: int, warps: int) -> int:
-    """Threadgroups of the partials kernel one multiprocessor holds at once."""
-    by_shared = SHARED_PER_SM // (shared + STATIC_SHARED + 1024)
-    by_registers = 65536 // (REGISTERS * 32 * warps)
+def blocks_per_sm(shared: int, warps: int, shape: GpuShape) -> int:
+    """Threadgroups of the partials kernel one multiprocessor of ``shape`` holds at once
+    (an H200's: three)."""
+    by_shared = shape.shared_per_multiprocessor // (shared + STATIC_SHARED + RESERVED_SHARED)
+    by_registers = shape.registers_per_multiprocessor // (REGISTERS * 32 * warps)
     return max(1, min(by_shared, by_registers, 64 // warps))
 
 
@@ -614,10 +615,11 @@ def partials(
     shared = shared_bytes(warps, heads, dims)
     blocks_per_split = batch * q_heads // heads
     if splits is None:
-        resident = blocks_per_sm(shared, warps)
+        shape = gpu_shape()
+        resident = blocks_per_sm(shared, warps, shape)
         if per_sm is not None:
             resident = min(per_sm, resident)
-        splits = num_splits(stored.length, blocks_per_split, SMS * resident, min_keys)
+        splits = num_splits(stored.length, blocks_per_split, shape.multiprocessors * resident, min_keys)
     if blocks is None:
         blocks = default_blocks(kc.bits, vc.bits, dims)
     threads = warps * 32
