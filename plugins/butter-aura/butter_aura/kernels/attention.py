@@ -19,8 +19,9 @@ from codes, and its own merge):
    running max, sum and accumulator (online softmax, scores in log2 units) through
    ``splitk_merge_lanes``/``splitk_write_partials``.
 2. **merge** — one threadgroup of ``D`` threads per (batch, query head): scores the
-   full-precision rows (original domain, original query), merges them with every
-   split's partials, rotates the coded accumulator back once (butterflies in shared
+   full-precision rows (original domain, original query; each warp loads all its rows
+   before summing any), merges them with every split's partials (``split_k``'s
+   ``MERGE_HELPERS``: the splits' weights staged in shared memory), rotates the coded accumulator back once (butterflies in shared
    memory, then signs) and writes the output in the queries' dtype. Core's generic
    ``merge_partials`` cannot serve here: it has no full-precision rows and no rotation.
 
@@ -213,18 +214,31 @@ _MERGE = Kernel(
   const int d = thread_idx.x;
   const float q_scale = scale[0] * 1.4426950408889634f;
 
-  BT_SHARED float fp_score[ROWS];
+  constexpr int ROWS_PER_WARP = (ROWS + WARPS_HERE - 1) / WARPS_HERE;
+  BT_SHARED float fp_score[ROWS > 0 ? ROWS : 1];
   BT_SHARED float buf[D];
-  for (int r = warp_id; r < ROWS; r += WARPS_HERE) {
-    float part = 0.0f;
-    for (int i = lane_id; i < D; i += BT_WARP_SIZE) {
-      part += bt_to_float(queries[head * D + i]) * bt_to_float(fp_keys[fp_base + r * D + i]);
+  BT_SHARED float weight[SPLITK_MAX_SPLITS];
+  BT_SHARED float scratch[WARPS_HERE];
+  // Warp w scores rows w, w + WARPS_HERE, ...: every row's loads first, then the sums.
+  float part[ROWS_PER_WARP > 0 ? ROWS_PER_WARP : 1];
+#pragma unroll
+  for (int k = 0; k < ROWS_PER_WARP; ++k) {
+    const int r = static_cast<int>(warp_id) + k * WARPS_HERE;
+    part[k] = 0.0f;
+    if (r < ROWS) {
+      for (int i = lane_id; i < D; i += BT_WARP_SIZE) {
+        part[k] += bt_to_float(queries[head * D + i]) * bt_to_float(fp_keys[fp_base + r * D + i]);
+      }
     }
-    part = bt_warp_sum(part);
-    if (lane_id == 0) {
+  }
+#pragma unroll
+  for (int k = 0; k < ROWS_PER_WARP; ++k) {
+    const int r = static_cast<int>(warp_id) + k * WARPS_HERE;
+    const float sum = bt_warp_sum(part[k]);
+    if (r < ROWS && lane_id == 0) {
       const int held = r < sinks ? r : recent_slots[r - sinks];
       const bool used = r < sinks ? r < live : (held >= 0 && held < live);
-      fp_score[r] = used ? part * q_scale : BT_NEG_INF;
+      fp_score[r] = used ? sum * q_scale : BT_NEG_INF;
     }
   }
   BT_BARRIER;
@@ -233,21 +247,23 @@ _MERGE = Kernel(
   for (int r = 0; r < ROWS; ++r) {
     fp_max = fp_score[r] > fp_max ? fp_score[r] : fp_max;
   }
-  const float m_all = splitk_partials_max(partial_max, head, n_splits, fp_max);
   float l_all = 0.0f;
-  const float a = splitk_partials_sum(partial_acc, partial_max, partial_sum, head, n_splits, D, d, m_all, &l_all);
+  const float m_all = splitk_merge_weights(partial_max, partial_sum, head, n_splits, fp_max, d, D, weight, scratch,
+                                           &l_all);
+  const float a = splitk_merge_acc(partial_acc, weight, head, n_splits, D, d);
   // Rotate the coded part back: butterflies, 1/sqrt(D), signs.
   buf[d] = a;
   BT_BARRIER;
   aura_fwht_shared<1>(buf, D, D, D, d);
   float x = buf[d] / bt_sqrt(static_cast<float>(D)) * signs[kv_head * D + d];
+  // Every row's value is loaded (each lies in the buffer), the unused ones' not added.
+#pragma unroll
   for (int r = 0; r < ROWS; ++r) {
+    const float v = bt_to_float(fp_values[fp_base + r * D + d]);
     const float sr = fp_score[r];
-    if (sr != BT_NEG_INF) {
-      const float weight = bt_exp2(sr - m_all);
-      l_all += weight;
-      x += weight * bt_to_float(fp_values[fp_base + r * D + d]);
-    }
+    const float w = sr == BT_NEG_INF ? 0.0f : bt_exp2(sr - m_all);
+    l_all += w;
+    x += sr == BT_NEG_INF ? 0.0f : w * v;
   }
   out[head * D + d] = bt_from_float<T>(x / l_all);
 """,
@@ -325,6 +341,7 @@ def decode_attention_live(
         )
     else:
         raise ValueError(f"method is 'mma', 'simt' or None; got {method!r}")
+    split_k.check_merge(partial_max.shape[2], dims)
     (out,) = _MERGE(
         inputs=[
             partial_acc, partial_max, partial_sum, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values,

@@ -96,12 +96,17 @@ LUT_BYTES = 256 * 256
 copies of the value table's 4 bytes or 16 of its 8 bytes)."""
 MAX_HEADS_PER_BLOCK = 8
 """Query heads one threadgroup serves: the 8 columns of the value MMA."""
-MIN_KEYS_PER_SPLIT = 2048
-"""Keys per split at least. Each threadgroup first builds 64 KB of look-up tables, so short
-splits pay for tables more than for keys: H200, aura4v2, side by side with 128 (3 rounds,
-2026-11-30, ``python3 bench/gpu_aura.py --sections min-keys``): 4k 34.3 against 43.0 µs
-(0.81x; 1024: 0.76x), 32k 50.7 against 59.6 (0.84x); at 128k the one-wave cap decides the
-split count for every value from 128 to 2048 (0.95-0.99x, noise)."""
+MIN_KEYS_PER_SPLIT = 256
+"""Keys per split at least, chosen on *chained* calls (each call's query the previous
+call's output), as a decode step's layers run. Each threadgroup first builds 64 KB of
+look-up tables, so among independent calls, which overlap on the GPU, long splits were
+cheaper (2048 was the default: H200, aura4v2, 4k 34.3 against 43.0 µs with 128, 32k
+50.7 against 59.6; 2026-11-30); but a chained call at 4k then ran 16 threadgroups of 2048
+keys each and took 1.9-2.0x raw SDPA's chained time. Side by side, chained, 5 rounds
+(H200, 2026-12-01; 128 / 256 / 512 / 1024 / 2048 keys): 4k 66.2 / **64.4** / 68.0 / 75.9 /
+86.4 µs (raw 42.8), 32k 73.2 / **72.7** / 72.5 / 72.9 / 80.1 (raw 55.5); independent, 256
+against 2048 costs 38.3 against 35.7 µs at 4k and 53.5 against 45.7 at 32k. At 128k the
+one-wave cap decides the split count for every value from 128 to 2048."""
 REGISTERS = 168
 """Registers per thread the launch is planned with: nvcc reports 128-168 for these builds."""
 RESERVED_SHARED = 1024
@@ -138,8 +143,8 @@ def default_ahead(key_bits: int, value_bits: int, dims: int) -> bool:
 def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int) -> int:
     """Splits of the live keys: at least ``min_keys`` keys each, and no more threadgroups than
     the GPU holds at once (``resident``): one wave, never a second wave of a few blocks,
-    which would take as long as the first."""
-    return max(1, min(-(-length // min_keys), resident // blocks_per_split))
+    which would take as long as the first; at most what a merge takes (``split_k.MAX_MERGE_SPLITS``)."""
+    return max(1, min(-(-length // min_keys), resident // blocks_per_split, split_k.MAX_MERGE_SPLITS))
 
 
 _BODY = """
