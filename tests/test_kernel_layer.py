@@ -216,6 +216,21 @@ def test_split_k_plan():
     assert forced.n_splits == 3 and forced.grid[1] == 3 and forced.output_shapes[0] == (2, 24, 3, 64)
 
 
+def test_split_k_merges_take_whole_warps_and_a_bounded_split_count():
+    """A merge stages one weight per split in a fixed shared array and reduces over whole
+    warps of dimensions: plans stay within ``MAX_MERGE_SPLITS``, and a call outside either
+    bound is refused before anything is built."""
+    assert split_k.num_splits(10**9, 1, min_keys=1, target_blocks=10**6) == split_k.MAX_MERGE_SPLITS
+    split_k.check_merge(split_k.MAX_MERGE_SPLITS, 128)
+    with pytest.raises(ValueError, match="1 to 1024 splits; got 1025"):
+        split_k.check_merge(split_k.MAX_MERGE_SPLITS + 1, 128)
+    with pytest.raises(ValueError, match="whole warps of 32; got 80 dimensions"):
+        split_k.check_merge(4, 80)
+    partials = [mx.zeros((1, 2, 1025, 64)), mx.zeros((1, 2, 1025)), mx.zeros((1, 2, 1025))]
+    with pytest.raises(ValueError, match="got 1025"):
+        split_k.merge_partials(*partials, mx.float32)
+
+
 def test_split_k_plan_scales_its_target_to_the_gpu(monkeypatch):
     """``target_blocks`` is tuned on an H200 (132 multiprocessors); on a GPU with another
     count the plan keeps the same threadgroups per multiprocessor."""
