@@ -113,10 +113,7 @@ def scaled_to_gpu(blocks_on_tuned: int) -> int:
     """A threadgroup count tuned on ``TUNED_ON`` (so many per multiprocessor there), for this
     GPU's multiprocessor count: the same threadgroups per multiprocessor, so the same
     waves; unchanged on an H200."""
-    multiprocessors = gpu_shape().multiprocessors
-    if multiprocessors == TUNED_ON.multiprocessors:
-        return blocks_on_tuned
-    return max(1, math.ceil(blocks_on_tuned * multiprocessors / TUNED_ON.multiprocessors))
+    return max(1, math.ceil(blocks_on_tuned * gpu_shape().multiprocessors / TUNED_ON.multiprocessors))
 
 
 @functools.cache

@@ -109,8 +109,8 @@ with 2 against 87.0 / 86.0 with 1; affine4 68.7 / 67.9 with 2 against 67.2 / 65.
 MIN_KEYS_PER_SPLIT = 64
 TARGET_BLOCKS = 264
 """Threadgroups the split count aims at (H200: 132 multiprocessors, 2 per multiprocessor
-although registers allow 3; ``split_k.plan`` keeps 2 per multiprocessor on other GPUs). The sweeps of 2026-11-30 first picked 396 ahead of 528 and
-1584; with the read-only loads, 264 was as fast or faster in every run (128k, affine4
+although registers allow 3; ``split_k.plan`` keeps 2 per multiprocessor on other GPUs).
+The sweeps of 2026-11-30 first picked 396 ahead of 528 and 1584; with the read-only loads, 264 was as fast or faster in every run (128k, affine4
 64.1 against 67.5 µs, affine8 77.9 against 78.4; before them 68.8 / 70.9 against
 77.0 / 71.3 and 83.0 against 88.3). A later side-by-side run (affine4, 128k, ratio to raw
 SDPA): 264 0.499x, 396 0.505x, 132 0.497x — one threadgroup per multiprocessor is as fast,

@@ -21,8 +21,9 @@ from codes, and its own merge):
 2. **merge** — one threadgroup of ``D`` threads per (batch, query head): scores the
    full-precision rows (original domain, original query; each warp loads all its rows
    before summing any), merges them with every split's partials (``split_k``'s
-   ``MERGE_HELPERS``: the splits' weights staged in shared memory), rotates the coded accumulator back once (butterflies in shared
-   memory, then signs) and writes the output in the queries' dtype. Core's generic
+   ``MERGE_HELPERS``: the splits' weights staged in shared memory), rotates the coded
+   accumulator back once (butterflies in shared memory, then signs) and writes the
+   output in the queries' dtype. Core's generic
    ``merge_partials`` cannot serve here: it has no full-precision rows and no rotation.
 
 Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
