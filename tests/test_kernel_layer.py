@@ -217,18 +217,32 @@ def test_split_k_plan():
 
 
 def test_split_k_merges_take_whole_warps_and_a_bounded_split_count():
-    """A merge stages one weight per split in a fixed shared array and reduces over whole
-    warps of dimensions: plans stay within ``MAX_MERGE_SPLITS``, and a call outside either
+    """A merge runs whole warps of dimensions in one threadgroup and loops over a bounded
+    number of splits: plans stay within ``MAX_MERGE_SPLITS``, and a call outside either
     bound is refused before anything is built."""
     assert split_k.num_splits(10**9, 1, min_keys=1, target_blocks=10**6) == split_k.MAX_MERGE_SPLITS
     split_k.check_merge(split_k.MAX_MERGE_SPLITS, 128)
     with pytest.raises(ValueError, match="1 to 1024 splits; got 1025"):
         split_k.check_merge(split_k.MAX_MERGE_SPLITS + 1, 128)
-    with pytest.raises(ValueError, match="whole warps of 32; got 80 dimensions"):
+    with pytest.raises(ValueError, match="whole warps of 32 and at most 1024; got 80 dimensions"):
         split_k.check_merge(4, 80)
     partials = [mx.zeros((1, 2, 1025, 64)), mx.zeros((1, 2, 1025)), mx.zeros((1, 2, 1025))]
     with pytest.raises(ValueError, match="got 1025"):
         split_k.merge_partials(*partials, mx.float32)
+
+
+def test_split_k_merges_spread_the_splits_over_parts_of_a_threadgroup():
+    """A merge runs one thread per dimension per part, with a part for about every
+    ``SPLITS_PER_THREAD`` splits, in at most ``MERGE_THREADS`` threads."""
+    assert split_k.SPLITS_PER_THREAD == 4 and split_k.MERGE_THREADS == 1024
+    assert split_k.merge_threads(1, 128) == 128
+    assert split_k.merge_threads(4, 128) == 128
+    assert split_k.merge_threads(5, 128) == 256
+    assert split_k.merge_threads(33, 128) == 1024  # 9 parts wanted, 8 fit
+    assert split_k.merge_threads(49, 64) == 13 * 64
+    assert split_k.merge_threads(1024, 256) == 1024
+    with pytest.raises(ValueError, match="at most 1024; got 2048 dimensions"):
+        split_k.check_merge(4, 2048)
 
 
 def test_split_k_plan_scales_its_target_to_the_gpu(monkeypatch):

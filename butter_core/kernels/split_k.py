@@ -36,15 +36,17 @@ kernel's ``helpers``):
   tensor-core kernels of ``butter_core.kernels.mma``): every thread calls it after a
   barrier that follows the stores.
 
-``MERGE_HELPERS`` (device functions, dialect only): ``splitk_merge_weights`` and
-``splitk_merge_acc``, the merge of one (batch, query head)'s split partials by a
+``MERGE_HELPERS`` (device functions, dialect only): ``splitk_fold`` and
+``splitk_combine``, the merge of one (batch, query head)'s split partials by a
 threadgroup, which the merge kernel and a scheme's own merge (AURA's, which folds in
-full-precision rows) share. The threadgroup first stages every split's weight in shared
-memory (each thread a stride of the splits, then a reduction), so that each thread's sum
-over the splits issues its loads back to back: looping over the splits in every thread,
-one dependent load after another, the merge took 9.9 µs for affine4 at 128k (33 splits)
-and AURA's 20.5 (49 splits and 36 full-precision rows), in isolation on the H200 (Nsight
-Compute, 2026-12-01), against 136.9 µs for the partials-free raw SDPA kernel.
+full-precision rows) share. The threadgroup runs ``parts`` threads per dimension
+(``merge_threads``): each folds its share of the splits into an online-softmax state,
+its loads independent of each other, and the parts' states meet in shared memory. A
+merge is a short chain of dependent loads, on the critical path of every decode step
+(a layer's attention waits for it). In isolation on the H200 at 128k (Nsight Compute,
+caches flushed, 2026-12-02), affine4's merge (33 splits) took 6.6 µs this way against
+7.2 with one thread per dimension summing every split, and AURA's (49 splits, 36
+full-precision rows) 12.4 against 18.7; the second kernel of raw SDPA takes 4.1.
 
 Partials are ``partial_acc [B, Hq, splits, D]``, ``partial_max`` and ``partial_sum``
 ``[B, Hq, splits]``, all float32 (``SplitKLaunch.output_shapes``/``output_dtypes``); a
@@ -185,68 +187,79 @@ BT_FUNC void splitk_write_partials(
 """
 
 MAX_MERGE_SPLITS = 1024
-"""Splits a merge takes at most: its shared array of weights (4 KB). Plans stay well below
-(``num_splits``: some hundreds of threadgroups per launch)."""
+"""Splits a merge takes at most (each thread loops over its share of them). Plans stay
+well below (``num_splits``: some hundreds of threadgroups per launch)."""
 
-MERGE_HELPERS = f"#define SPLITK_MAX_SPLITS {MAX_MERGE_SPLITS}\n" + r"""
+MERGE_THREADS = 1024
+"""Threads of a merge's threadgroup at most (``merge_threads``)."""
+
+SPLITS_PER_THREAD = 4
+"""Splits each thread of a merge folds, about (``merge_threads``)."""
+
+MERGE_HELPERS = f"#define SPLITK_MERGE_THREADS {MERGE_THREADS}\n" + r"""
 // ---- merging split partials, butter_core.kernels.split_k ---------------------------
-// SPLITK_MAX_SPLITS: the most splits a merge takes (the size of its shared `weight`).
-// Called by every thread t of a one-dimensional threadgroup of `threads` threads (a
-// multiple of the warp size) for one (batch, query head): weight[s] = 2^(m_s - m_all)
-// for each of its n_splits partials (0 for a split that saw no key, max -inf), staged in
-// shared memory (`weight`: at least n_splits floats; `scratch`: threads / warp size
-// floats). Returns m_all, the largest max and at least `floor` (a merge that folds in
-// other states passes their max); adds the rescaled sums, sum_s weight[s] l_s, to *l_all.
-// Ends with a barrier: every weight is visible to every thread.
-template <typename Max, typename Sum>
-BT_FUNC float splitk_merge_weights(
-    Max partial_max, Sum partial_sum, int64_t head, int n_splits, float floor, int t, int threads,
-    BT_SHARED_PTR float* weight, BT_SHARED_PTR float* scratch, BT_PRIVATE float* l_all) {
-  const int warps = threads / BT_WARP_SIZE;
-  float m = floor;
-  for (int s = t; s < n_splits; s += threads) {
+// A merge of one (batch, query head) runs `parts` threads per output dimension: thread
+// t of a threadgroup of dims * parts threads (split_k.merge_threads) handles dimension
+// d = t % dims and folds the splits p = t / dims, p + parts, ... into one online-softmax
+// state (splitk_fold), every load independent of the others; splitk_combine then merges
+// the parts' states through shared memory.
+
+// The state of splits p, p + parts, ... at dimension d: *m the largest max (-inf if none
+// saw a key), *l and *a the sums and accumulators, each rescaled to it.
+template <typename Acc, typename Max, typename Sum>
+BT_FUNC void splitk_fold(
+    Acc partial_acc, Max partial_max, Sum partial_sum, int64_t head, int n_splits, int dims, int d, int p,
+    int parts, BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* a) {
+  float mm = BT_NEG_INF;
+  float ll = 0.0f;
+  float aa = 0.0f;
+#pragma unroll 4
+  for (int s = p; s < n_splits; s += parts) {
     const float ms = partial_max[head * n_splits + s];
-    weight[s] = ms;
-    m = ms > m ? ms : m;
+    const float ls = partial_sum[head * n_splits + s];
+    const float as = partial_acc[(head * n_splits + s) * dims + d];
+    if (ms != BT_NEG_INF) {  // a split that saw no key adds nothing
+      const float m_new = ms > mm ? ms : mm;
+      const float c = mm == BT_NEG_INF ? 0.0f : bt_exp2(mm - m_new);
+      const float w = bt_exp2(ms - m_new);
+      ll = ll * c + w * ls;
+      aa = aa * c + w * as;
+      mm = m_new;
+    }
   }
-  m = bt_warp_max(m);
-  if (t % BT_WARP_SIZE == 0) {
-    scratch[t / BT_WARP_SIZE] = m;
-  }
-  BT_BARRIER;
-  float m_all = scratch[0];
-  for (int w = 1; w < warps; ++w) {
-    m_all = scratch[w] > m_all ? scratch[w] : m_all;
-  }
-  BT_BARRIER;  // scratch is reused below
-  float l = 0.0f;
-  for (int s = t; s < n_splits; s += threads) {
-    const float ms = weight[s];
-    const float w = ms == BT_NEG_INF ? 0.0f : bt_exp2(ms - m_all);
-    weight[s] = w;
-    l += w * partial_sum[head * n_splits + s];
-  }
-  l = bt_warp_sum(l);
-  if (t % BT_WARP_SIZE == 0) {
-    scratch[t / BT_WARP_SIZE] = l;
-  }
-  BT_BARRIER;
-  for (int w = 0; w < warps; ++w) {
-    *l_all += scratch[w];
-  }
-  return m_all;
+  *m = mm;
+  *l = ll;
+  *a = aa;
 }
 
-// The splits' accumulators of dimension d, each times its weight (splitk_merge_weights),
-// summed in split order; the loads do not wait on each other.
-template <typename Acc>
-BT_FUNC float splitk_merge_acc(Acc partial_acc, BT_SHARED_PTR const float* weight, int64_t head, int n_splits, int dims, int d) {
-  float a = 0.0f;
-#pragma unroll 8
-  for (int s = 0; s < n_splits; ++s) {
-    a += weight[s] * partial_acc[(head * n_splits + s) * dims + d];
+// Merges the states of the parts (every thread of the threadgroup calls it: it holds a
+// barrier); afterwards the threads of part 0 (t < dims) hold the merged state of their
+// dimension. sm and sl hold `parts` floats, sa parts * dims (shared).
+BT_FUNC void splitk_combine(
+    BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* a, int d, int p, int parts, int dims,
+    BT_SHARED_PTR float* sm, BT_SHARED_PTR float* sl, BT_SHARED_PTR float* sa) {
+  sa[p * dims + d] = *a;
+  if (d == 0) {
+    sm[p] = *m;
+    sl[p] = *l;
   }
-  return a;
+  BT_BARRIER;
+  if (p == 0) {
+    float mm = BT_NEG_INF;
+    for (int q = 0; q < parts; ++q) {
+      mm = sm[q] > mm ? sm[q] : mm;
+    }
+    float ll = 0.0f;
+    float aa = 0.0f;
+    for (int q = 0; q < parts; ++q) {
+      const float w = sm[q] == BT_NEG_INF ? 0.0f : bt_exp2(sm[q] - mm);
+      ll += w * sl[q];
+      aa += w * sa[q * dims + d];
+    }
+    *m = mm;
+    *l = ll;
+    *a = aa;
+  }
 }
 """
 
@@ -256,19 +269,33 @@ _MERGE = Kernel(
     output_names=("out",),
     helpers=MERGE_HELPERS,
     body="""
-  // One threadgroup per (batch, query head), one thread per output dimension.
+  // One threadgroup per (batch, query head), parts threads per output dimension.
   const int n_splits = partial_max_shape[2];
   const int dims = partial_acc_shape[3];
+  const int parts = static_cast<int>(block_dim.x) / dims;
   const int64_t head = block_idx.x;
-  const int d = thread_idx.x;
-  BT_SHARED float weight[SPLITK_MAX_SPLITS];
-  BT_SHARED float scratch[32];
-  float l_all = 0.0f;
-  splitk_merge_weights(partial_max, partial_sum, head, n_splits, BT_NEG_INF, d, dims, weight, scratch, &l_all);
-  const float a = splitk_merge_acc(partial_acc, weight, head, n_splits, dims, d);
-  out[head * dims + d] = bt_from_float<T>(a / l_all);
+  const int d = static_cast<int>(thread_idx.x) % dims;
+  const int p = static_cast<int>(thread_idx.x) / dims;
+  BT_SHARED float sm[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
+  BT_SHARED float sl[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
+  BT_SHARED float sa[SPLITK_MERGE_THREADS];
+  float m, l, a;
+  splitk_fold(partial_acc, partial_max, partial_sum, head, n_splits, dims, d, p, parts, &m, &l, &a);
+  splitk_combine(&m, &l, &a, d, p, parts, dims, sm, sl, sa);
+  if (p == 0) {
+    out[head * dims + d] = bt_from_float<T>(a / l);
+  }
 """,
 )
+
+
+def merge_threads(n_splits: int, dims: int) -> int:
+    """Threads of a merge's threadgroup for ``n_splits`` splits of ``dims`` dimensions: one
+    per dimension for each part, with enough parts that each thread folds about
+    ``SPLITS_PER_THREAD`` splits, and at most ``MERGE_THREADS`` threads. A merge is a
+    chain of dependent loads; the more threads share the splits, the shorter it is."""
+    parts = max(1, min(MERGE_THREADS // dims, math.ceil(n_splits / SPLITS_PER_THREAD)))
+    return dims * parts
 
 
 def merge_partials(
@@ -277,11 +304,12 @@ def merge_partials(
     """Attention output ``[B, Hq, 1, D]`` in ``dtype`` from the partials of every split."""
     batch, q_heads, n_splits, dims = partial_acc.shape
     check_merge(n_splits, dims)
+    threads = merge_threads(n_splits, dims)
     (out,) = _MERGE(
         inputs=[partial_acc, partial_max, partial_sum],
         template=[("T", dtype)],
-        grid=(dims * batch * q_heads, 1, 1),
-        threadgroup=(dims, 1, 1),
+        grid=(threads * batch * q_heads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(batch, q_heads, 1, dims)],
         output_dtypes=[dtype],
     )
@@ -289,12 +317,14 @@ def merge_partials(
 
 
 def check_merge(n_splits: int, dims: int) -> None:
-    """Raise unless a merge (``MERGE_HELPERS``, one thread per dimension) takes ``n_splits``
-    splits of ``dims`` dimensions: at most ``MAX_MERGE_SPLITS``, and whole warps."""
+    """Raise unless a merge (``MERGE_HELPERS``, threads in whole warps of dimensions) takes
+    ``n_splits`` splits of ``dims`` dimensions: at most ``MAX_MERGE_SPLITS``, and whole
+    warps that fit a threadgroup."""
     if not 1 <= n_splits <= MAX_MERGE_SPLITS:
         raise ValueError(f"a split-K merge takes 1 to {MAX_MERGE_SPLITS} splits; got {n_splits}")
-    if dims % 32:
-        raise ValueError(f"a split-K merge runs one thread per dimension, in whole warps of 32; got {dims} dimensions")
+    if dims % 32 or dims > MERGE_THREADS:
+        raise ValueError(f"a split-K merge runs one thread per dimension, in whole warps of 32 and at most "
+                         f"{MERGE_THREADS}; got {dims} dimensions")
 
 
 @attrs.frozen

@@ -18,12 +18,12 @@ from codes, and its own merge):
    Slots kept in full precision (sinks, recent) are skipped here. Each split writes its
    running max, sum and accumulator (online softmax, scores in log2 units) through
    ``splitk_merge_lanes``/``splitk_write_partials``.
-2. **merge** — one threadgroup of ``D`` threads per (batch, query head): scores the
-   full-precision rows (original domain, original query; each warp loads all its rows
-   before summing any), merges them with every split's partials (``split_k``'s
-   ``MERGE_HELPERS``: the splits' weights staged in shared memory), rotates the coded
-   accumulator back once (butterflies in shared memory, then signs) and writes the
-   output in the queries' dtype. Core's generic
+2. **merge** — one threadgroup of ``D`` threads per part per (batch, query head)
+   (``split_k.merge_threads``): scores the full-precision rows (original domain,
+   original query; a warp per row), folds each part's share of the splits and of the
+   rows into two online-softmax states (``split_k``'s ``MERGE_HELPERS``), combines the
+   parts, rotates the coded accumulator back once (butterflies in shared memory, then
+   signs), adds the rows' and writes the output in the queries' dtype. Core's generic
    ``merge_partials`` cannot serve here: it has no full-precision rows and no rotation.
 
 Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
@@ -201,72 +201,83 @@ _MERGE = Kernel(
     helpers=split_k.MERGE_HELPERS + HELPERS,
     body="""
   // Template: T (query dtype), F (full-precision row dtype), D, ROWS (full-precision
-  // rows). One threadgroup of D threads per (batch, query head). params: [live, sinks].
-  constexpr int WARPS_HERE = D / BT_WARP_SIZE;
+  // rows). One threadgroup of D * parts threads per (batch, query head)
+  // (split_k.merge_threads): thread t handles dimension d = t % D, part p = t / D.
+  // params: [live, sinks].
   const int n_splits = partial_max_shape[2];
   const int q_heads = queries_shape[1];
   const int kv_heads = fp_keys_shape[1];
   const int live = params[0];
   const int sinks = params[1];
+  const int threads = static_cast<int>(block_dim.x);
+  const int parts = threads / D;
+  const int warps = threads / BT_WARP_SIZE;
   const int64_t head = block_idx.x;
   const int batch = static_cast<int>(head / q_heads);
   const int kv_head = static_cast<int>(head % q_heads) / (q_heads / kv_heads);
   const int64_t fp_base = (static_cast<int64_t>(batch) * kv_heads + kv_head) * ROWS * D;
-  const int d = thread_idx.x;
+  const int t = static_cast<int>(thread_idx.x);
+  const int d = t % D;
+  const int p = t / D;
   const float q_scale = scale[0] * 1.4426950408889634f;
 
-  constexpr int ROWS_PER_WARP = (ROWS + WARPS_HERE - 1) / WARPS_HERE;
   BT_SHARED float fp_score[ROWS > 0 ? ROWS : 1];
   BT_SHARED float buf[D];
-  BT_SHARED float weight[SPLITK_MAX_SPLITS];
-  BT_SHARED float scratch[WARPS_HERE];
-  // Warp w scores rows w, w + WARPS_HERE, ...: every row's loads first, then the sums.
-  float part[ROWS_PER_WARP > 0 ? ROWS_PER_WARP : 1];
-#pragma unroll
-  for (int k = 0; k < ROWS_PER_WARP; ++k) {
-    const int r = static_cast<int>(warp_id) + k * WARPS_HERE;
-    part[k] = 0.0f;
-    if (r < ROWS) {
-      for (int i = lane_id; i < D; i += BT_WARP_SIZE) {
-        part[k] += bt_to_float(queries[head * D + i]) * bt_to_float(fp_keys[fp_base + r * D + i]);
-      }
+  BT_SHARED float coded_m[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
+  BT_SHARED float coded_l[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
+  BT_SHARED float coded_a[SPLITK_MERGE_THREADS];
+  BT_SHARED float fp_m[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
+  BT_SHARED float fp_l[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
+  BT_SHARED float fp_a[SPLITK_MERGE_THREADS];
+  // The full-precision rows' scores (original domain, original query): warp w scores
+  // rows w, w + warps, ... (the loop bound is uniform across the warp).
+  for (int r = static_cast<int>(warp_id); r < ROWS; r += warps) {
+    float part = 0.0f;
+    for (int i = lane_id; i < D; i += BT_WARP_SIZE) {
+      part += bt_to_float(queries[head * D + i]) * bt_to_float(fp_keys[fp_base + r * D + i]);
     }
-  }
-#pragma unroll
-  for (int k = 0; k < ROWS_PER_WARP; ++k) {
-    const int r = static_cast<int>(warp_id) + k * WARPS_HERE;
-    const float sum = bt_warp_sum(part[k]);
-    if (r < ROWS && lane_id == 0) {
+    const float sum = bt_warp_sum(part);
+    if (lane_id == 0) {
       const int held = r < sinks ? r : recent_slots[r - sinks];
       const bool used = r < sinks ? r < live : (held >= 0 && held < live);
       fp_score[r] = used ? sum * q_scale : BT_NEG_INF;
     }
   }
+  // The coded part: this thread's share of the splits (rotated domain).
+  float m, l, a;
+  splitk_fold(partial_acc, partial_max, partial_sum, head, n_splits, D, d, p, parts, &m, &l, &a);
   BT_BARRIER;
-
-  float fp_max = BT_NEG_INF;
-  for (int r = 0; r < ROWS; ++r) {
-    fp_max = fp_score[r] > fp_max ? fp_score[r] : fp_max;
-  }
-  float l_all = 0.0f;
-  const float m_all = splitk_merge_weights(partial_max, partial_sum, head, n_splits, fp_max, d, D, weight, scratch,
-                                           &l_all);
-  const float a = splitk_merge_acc(partial_acc, weight, head, n_splits, D, d);
-  // Rotate the coded part back: butterflies, 1/sqrt(D), signs.
-  buf[d] = a;
-  BT_BARRIER;
-  aura_fwht_shared<1>(buf, D, D, D, d);
-  float x = buf[d] / bt_sqrt(static_cast<float>(D)) * signs[kv_head * D + d];
-  // Every row's value is loaded (each lies in the buffer), the unused ones' not added.
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const float v = bt_to_float(fp_values[fp_base + r * D + d]);
+  // The full-precision part: rows p, p + parts, ... (original domain).
+  float fm = BT_NEG_INF;
+  float fl = 0.0f;
+  float fa = 0.0f;
+  for (int r = p; r < ROWS; r += parts) {
     const float sr = fp_score[r];
-    const float w = sr == BT_NEG_INF ? 0.0f : bt_exp2(sr - m_all);
-    l_all += w;
-    x += sr == BT_NEG_INF ? 0.0f : w * v;
+    if (sr != BT_NEG_INF) {
+      const float v = bt_to_float(fp_values[fp_base + r * D + d]);
+      const float m_new = sr > fm ? sr : fm;
+      const float c = fm == BT_NEG_INF ? 0.0f : bt_exp2(fm - m_new);
+      const float w = bt_exp2(sr - m_new);
+      fl = fl * c + w;
+      fa = fa * c + w * v;
+      fm = m_new;
+    }
   }
-  out[head * D + d] = bt_from_float<T>(x / l_all);
+  splitk_combine(&m, &l, &a, d, p, parts, D, coded_m, coded_l, coded_a);
+  splitk_combine(&fm, &fl, &fa, d, p, parts, D, fp_m, fp_l, fp_a);
+  // Rotate the coded part back (butterflies, 1/sqrt(D), signs), then add the rows.
+  if (p == 0) {
+    buf[d] = a;
+  }
+  BT_BARRIER;
+  aura_fwht_shared<1>(buf, D, D, threads, t);
+  if (p == 0) {
+    const float x = buf[d] / bt_sqrt(static_cast<float>(D)) * signs[kv_head * D + d];
+    const float m_all = m > fm ? m : fm;
+    const float wc = m == BT_NEG_INF ? 0.0f : bt_exp2(m - m_all);
+    const float wf = fm == BT_NEG_INF ? 0.0f : bt_exp2(fm - m_all);
+    out[head * D + d] = bt_from_float<T>((x * wc + fa * wf) / (l * wc + fl * wf));
+  }
 """,
 )
 
@@ -343,14 +354,15 @@ def decode_attention_live(
     else:
         raise ValueError(f"method is 'mma', 'simt' or None; got {method!r}")
     split_k.check_merge(partial_max.shape[2], dims)
+    threads = split_k.merge_threads(partial_max.shape[2], dims)
     (out,) = _MERGE(
         inputs=[
             partial_acc, partial_max, partial_sum, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values,
             stored.recent_slots, params, scale_array,
         ],
         template=[("T", queries.dtype), ("F", stored.fp_keys.dtype), ("D", dims), ("ROWS", stored.fp_keys.shape[2])],
-        grid=(dims * batch * q_heads, 1, 1),
-        threadgroup=(dims, 1, 1),
+        grid=(threads * batch * q_heads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
     )
