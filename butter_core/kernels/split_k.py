@@ -44,9 +44,10 @@ full-precision rows) share. The threadgroup runs ``parts`` threads per dimension
 its loads independent of each other, and the parts' states meet in shared memory. A
 merge is a short chain of dependent loads, on the critical path of every decode step
 (a layer's attention waits for it). In isolation on the H200 at 128k (Nsight Compute,
-caches flushed, 2026-12-02), affine4's merge (33 splits) took 6.6 µs this way against
+caches flushed, 2026-12-02), affine4's merge (33 splits) took 6.3 µs this way against
 7.2 with one thread per dimension summing every split, and AURA's (49 splits, 36
-full-precision rows) 12.4 against 18.7; the second kernel of raw SDPA takes 4.1.
+full-precision rows, its loads issued before any is used) 10.4 against 18.7; the second
+kernel of raw SDPA takes 4.1.
 
 Partials are ``partial_acc [B, Hq, splits, D]``, ``partial_max`` and ``partial_sum``
 ``[B, Hq, splits]``, all float32 (``SplitKLaunch.output_shapes``/``output_dtypes``); a
@@ -213,7 +214,7 @@ BT_FUNC void splitk_fold(
   float mm = BT_NEG_INF;
   float ll = 0.0f;
   float aa = 0.0f;
-#pragma unroll 4
+#pragma unroll 8
   for (int s = p; s < n_splits; s += parts) {
     const float ms = partial_max[head * n_splits + s];
     const float ls = partial_sum[head * n_splits + s];

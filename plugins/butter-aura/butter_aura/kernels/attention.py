@@ -18,12 +18,14 @@ from codes, and its own merge):
    Slots kept in full precision (sinks, recent) are skipped here. Each split writes its
    running max, sum and accumulator (online softmax, scores in log2 units) through
    ``splitk_merge_lanes``/``splitk_write_partials``.
-2. **merge** — one threadgroup of ``D`` threads per part per (batch, query head)
-   (``split_k.merge_threads``): scores the full-precision rows (original domain,
-   original query; a warp per row), folds each part's share of the splits and of the
-   rows into two online-softmax states (``split_k``'s ``MERGE_HELPERS``), combines the
-   parts, rotates the coded accumulator back once (butterflies in shared memory, then
-   signs), adds the rows' and writes the output in the queries' dtype. Core's generic
+2. **merge** — one threadgroup of ``split_k.MERGE_THREADS`` threads per (batch, query
+   head), ``D`` per part: issues every load that waits on no other first (the rows'
+   values, the query and the keys of the rows its warp scores, its share of the
+   splits), scores the full-precision rows (original domain, original query; a warp per
+   row), folds each part's share of the splits and of the rows into two online-softmax
+   states (``split_k``'s ``MERGE_HELPERS``), combines the parts, rotates the coded
+   accumulator back once (butterflies in shared memory, then signs), adds the rows' and
+   writes the output in the queries' dtype. Core's generic
    ``merge_partials`` cannot serve here: it has no full-precision rows and no rotation.
 
 Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
@@ -201,17 +203,16 @@ _MERGE = Kernel(
     helpers=split_k.MERGE_HELPERS + HELPERS,
     body="""
   // Template: T (query dtype), F (full-precision row dtype), D, ROWS (full-precision
-  // rows). One threadgroup of D * parts threads per (batch, query head)
-  // (split_k.merge_threads): thread t handles dimension d = t % D, part p = t / D.
-  // params: [live, sinks].
+  // rows). One threadgroup of SPLITK_MERGE_THREADS threads per (batch, query head):
+  // thread t handles dimension d = t % D of part p = t / D. params: [live, sinks].
+  constexpr int PARTS = SPLITK_MERGE_THREADS / D;
+  constexpr int WARPS_HERE = SPLITK_MERGE_THREADS / BT_WARP_SIZE;
+  constexpr int ROWS_PER_PART = (ROWS + PARTS - 1) / PARTS;
+  constexpr int ROWS_PER_WARP = (ROWS + WARPS_HERE - 1) / WARPS_HERE;
+  constexpr int LANE_DIMS = D / BT_WARP_SIZE;
   const int n_splits = partial_max_shape[2];
   const int q_heads = queries_shape[1];
   const int kv_heads = fp_keys_shape[1];
-  const int live = params[0];
-  const int sinks = params[1];
-  const int threads = static_cast<int>(block_dim.x);
-  const int parts = threads / D;
-  const int warps = threads / BT_WARP_SIZE;
   const int64_t head = block_idx.x;
   const int batch = static_cast<int>(head / q_heads);
   const int kv_head = static_cast<int>(head % q_heads) / (q_heads / kv_heads);
@@ -219,60 +220,91 @@ _MERGE = Kernel(
   const int t = static_cast<int>(thread_idx.x);
   const int d = t % D;
   const int p = t / D;
-  const float q_scale = scale[0] * 1.4426950408889634f;
 
   BT_SHARED float fp_score[ROWS > 0 ? ROWS : 1];
   BT_SHARED float buf[D];
-  BT_SHARED float coded_m[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
-  BT_SHARED float coded_l[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
+  BT_SHARED float coded_m[PARTS];
+  BT_SHARED float coded_l[PARTS];
   BT_SHARED float coded_a[SPLITK_MERGE_THREADS];
-  BT_SHARED float fp_m[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
-  BT_SHARED float fp_l[SPLITK_MERGE_THREADS / BT_WARP_SIZE];
+  BT_SHARED float fp_m[PARTS];
+  BT_SHARED float fp_l[PARTS];
   BT_SHARED float fp_a[SPLITK_MERGE_THREADS];
-  // The full-precision rows' scores (original domain, original query): warp w scores
-  // rows w, w + warps, ... (the loop bound is uniform across the warp).
-  for (int r = static_cast<int>(warp_id); r < ROWS; r += warps) {
+
+  // Every load that waits on no other goes out first: the step's parameters, this
+  // dimension's sign, this part's rows' values (rows p, p + PARTS, ...; every row lies
+  // in the buffer, the unused ones are not added), and the query and keys of the rows
+  // this warp scores (rows w, w + WARPS_HERE, ...).
+  const int live = params[0];
+  const int sinks = params[1];
+  const float q_scale = scale[0] * 1.4426950408889634f;
+  const float sign = signs[kv_head * D + d];
+  float v[ROWS_PER_PART > 0 ? ROWS_PER_PART : 1];
+#pragma unroll
+  for (int k = 0; k < ROWS_PER_PART; ++k) {
+    const int r = p + k * PARTS;
+    v[k] = r < ROWS ? bt_to_float(fp_values[fp_base + r * D + d]) : 0.0f;
+  }
+  float q[LANE_DIMS];
+  float keys[ROWS_PER_WARP > 0 ? ROWS_PER_WARP * LANE_DIMS : 1];
+#pragma unroll
+  for (int i = 0; i < LANE_DIMS; ++i) {
+    q[i] = bt_to_float(queries[head * D + lane_id + i * BT_WARP_SIZE]);
+  }
+#pragma unroll
+  for (int k = 0; k < ROWS_PER_WARP; ++k) {
+    const int r = static_cast<int>(warp_id) + k * WARPS_HERE;
+#pragma unroll
+    for (int i = 0; i < LANE_DIMS; ++i) {
+      keys[k * LANE_DIMS + i] = r < ROWS ? bt_to_float(fp_keys[fp_base + r * D + lane_id + i * BT_WARP_SIZE]) : 0.0f;
+    }
+  }
+  // The coded part: this part's share of the splits (rotated domain).
+  float m, l, a;
+  splitk_fold(partial_acc, partial_max, partial_sum, head, n_splits, D, d, p, PARTS, &m, &l, &a);
+  // The rows' scores (original domain, original query).
+#pragma unroll
+  for (int k = 0; k < ROWS_PER_WARP; ++k) {
+    const int r = static_cast<int>(warp_id) + k * WARPS_HERE;
     float part = 0.0f;
-    for (int i = lane_id; i < D; i += BT_WARP_SIZE) {
-      part += bt_to_float(queries[head * D + i]) * bt_to_float(fp_keys[fp_base + r * D + i]);
+#pragma unroll
+    for (int i = 0; i < LANE_DIMS; ++i) {
+      part += q[i] * keys[k * LANE_DIMS + i];
     }
     const float sum = bt_warp_sum(part);
-    if (lane_id == 0) {
+    if (r < ROWS && lane_id == 0) {
       const int held = r < sinks ? r : recent_slots[r - sinks];
       const bool used = r < sinks ? r < live : (held >= 0 && held < live);
       fp_score[r] = used ? sum * q_scale : BT_NEG_INF;
     }
   }
-  // The coded part: this thread's share of the splits (rotated domain).
-  float m, l, a;
-  splitk_fold(partial_acc, partial_max, partial_sum, head, n_splits, D, d, p, parts, &m, &l, &a);
   BT_BARRIER;
-  // The full-precision part: rows p, p + parts, ... (original domain).
+  // The full-precision part: this part's rows (original domain).
   float fm = BT_NEG_INF;
   float fl = 0.0f;
   float fa = 0.0f;
-  for (int r = p; r < ROWS; r += parts) {
-    const float sr = fp_score[r];
+#pragma unroll
+  for (int k = 0; k < ROWS_PER_PART; ++k) {
+    const int r = p + k * PARTS;
+    const float sr = r < ROWS ? fp_score[r] : BT_NEG_INF;
     if (sr != BT_NEG_INF) {
-      const float v = bt_to_float(fp_values[fp_base + r * D + d]);
       const float m_new = sr > fm ? sr : fm;
       const float c = fm == BT_NEG_INF ? 0.0f : bt_exp2(fm - m_new);
       const float w = bt_exp2(sr - m_new);
       fl = fl * c + w;
-      fa = fa * c + w * v;
+      fa = fa * c + w * v[k];
       fm = m_new;
     }
   }
-  splitk_combine(&m, &l, &a, d, p, parts, D, coded_m, coded_l, coded_a);
-  splitk_combine(&fm, &fl, &fa, d, p, parts, D, fp_m, fp_l, fp_a);
+  splitk_combine(&m, &l, &a, d, p, PARTS, D, coded_m, coded_l, coded_a);
+  splitk_combine(&fm, &fl, &fa, d, p, PARTS, D, fp_m, fp_l, fp_a);
   // Rotate the coded part back (butterflies, 1/sqrt(D), signs), then add the rows.
   if (p == 0) {
     buf[d] = a;
   }
   BT_BARRIER;
-  aura_fwht_shared<1>(buf, D, D, threads, t);
+  aura_fwht_shared<1>(buf, D, D, SPLITK_MERGE_THREADS, t);
   if (p == 0) {
-    const float x = buf[d] / bt_sqrt(static_cast<float>(D)) * signs[kv_head * D + d];
+    const float x = buf[d] / bt_sqrt(static_cast<float>(D)) * sign;
     const float m_all = m > fm ? m : fm;
     const float wc = m == BT_NEG_INF ? 0.0f : bt_exp2(m - m_all);
     const float wf = fm == BT_NEG_INF ? 0.0f : bt_exp2(fm - m_all);
@@ -354,7 +386,7 @@ def decode_attention_live(
     else:
         raise ValueError(f"method is 'mma', 'simt' or None; got {method!r}")
     split_k.check_merge(partial_max.shape[2], dims)
-    threads = split_k.merge_threads(partial_max.shape[2], dims)
+    threads = split_k.MERGE_THREADS
     (out,) = _MERGE(
         inputs=[
             partial_acc, partial_max, partial_sum, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values,
