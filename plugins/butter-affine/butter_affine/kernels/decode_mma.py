@@ -360,6 +360,19 @@ def decode_attention_live(
 ) -> mx.array:
     """``decode.decode_attention_live`` (length and scale as device arrays, for a traced
     call) on tensor cores; ``splits`` forces the split count."""
+    acc, maxes, sums = partials(queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases,
+                                live=live, scale=scale, planned_length=planned_length, splits=splits)
+    return split_k.merge_partials(acc, maxes, sums, queries.dtype)
+
+
+def partials(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, live: mx.array, scale: mx.array, planned_length: int | None = None, splits: int | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The partials kernel's output (``split_k``'s acc, max and sum) that
+    ``decode_attention_live`` merges; benchmarks time it alone."""
     fmt = _check_args(queries, key_codes, key_scales, value_codes, key_codes.shape[2])
     if not supports(fmt, queries.dtype):
         raise ValueError(f"the tensor-core decode kernel does not handle {fmt} with {queries.dtype} queries")
@@ -370,7 +383,7 @@ def decode_attention_live(
         max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
         splits=splits,
     )
-    partials = _PARTIALS(
+    acc, maxes, sums = _PARTIALS(
         inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases, live, scale],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
@@ -380,7 +393,7 @@ def decode_attention_live(
         output_shapes=launch.output_shapes,
         output_dtypes=launch.output_dtypes,
     )
-    return split_k.merge_partials(*partials, queries.dtype)
+    return acc, maxes, sums
 
 
 def decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:

@@ -1,0 +1,120 @@
+"""One decode-attention call in parts: the partials kernel, the merge, chained calls, host or GPU.
+
+At one context (default 128k; batch 1, 32 query / 8 KV heads, head_dim 128, bf16), side
+by side with raw SDPA (``gpu_timing.side_by_side``, ``ROUNDS`` rounds, each round's ratio
+to raw's independent calls):
+
+- raw SDPA, affine4's tensor-core decode (``decode_mma``) and aura4v2's
+  (``attention.decode_attention``), each as ``CALLS`` independent calls;
+- the same two with their partials kernel only (``decode_mma.partials``,
+  ``attention_mma.partials``): what the merge adds among independent calls, where it
+  partly overlaps the next call's partials;
+- all three *chained*, each call's query the previous call's output, as a decode step's
+  layers run: the merge and every launch on the critical path.
+
+Then, for the three independent paths, the host's share: the calls built, then
+``mx.async_eval`` timed (it returns once every kernel is encoded and launched) and the
+wait after it, per call. Where encoding is well under the total, the GPU sets the pace.
+
+Run on the lent H200 as the other GPU benches (``PYTHONPATH`` with butter and its
+plugins, from ``bench/``): ``python3 bench/gpu_decode_parts.py [context]``. Figures:
+docs/benchmarks.md, "Host or GPU at 128k, kernel by kernel, and merges spread over their
+threadgroup".
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import gpu_affine
+import gpu_aura
+import mlx.core as mx
+
+from butter_affine.kernels import decode_mma
+from butter_affine.packing import BUFFERS
+from butter_aura.kernels import attention, attention_mma
+from butter_core.kernels import kernel_params
+from gpu_timing import CALLS, print_side_by_side, side_by_side
+
+ROUNDS = 5
+HEAD_DIM = 128
+Step = Callable[[mx.array, int], mx.array]
+"""One call: (query, call index) to its output; the index picks the input copy."""
+
+
+def steps(length: int) -> tuple[mx.array, dict[str, Step]]:
+    """A query and every path's call, on inputs enough copies deep to keep consecutive
+    calls out of L2."""
+    scale = HEAD_DIM**-0.5
+    raw = gpu_aura.raw_copies(length)
+    affine = gpu_affine.packed_sets(4, 32, length)
+    aura = gpu_aura.aura_copies("aura4v2", length)
+    live, scale_array = kernel_params((length,), mx.int32), kernel_params((scale,), mx.float32)
+
+    def affine_buffers(i: int) -> list[mx.array]:
+        return [affine[i % len(affine)][name] for name in BUFFERS]
+
+    def aura_stored(i: int):
+        return aura[i % len(aura)]["stored"]
+
+    return raw[0][0], {
+        "raw SDPA": lambda q, i: mx.fast.scaled_dot_product_attention(q, *raw[i % len(raw)][1:], scale=scale),
+        "affine4": lambda q, i: decode_mma.decode_attention(q, *affine_buffers(i), length=length, scale=scale),
+        "affine4 partials only": lambda q, i: decode_mma.partials(q, *affine_buffers(i), live=live,
+                                                                  scale=scale_array)[0],
+        "aura4v2": lambda q, i: attention.decode_attention(q, aura_stored(i), scale, method="mma"),
+        "aura4v2 partials only": lambda q, i: attention_mma.partials(
+            q, aura_stored(i), attention.live_params(aura_stored(i)), scale_array)[0],
+    }
+
+
+def independent(query: mx.array, step: Step) -> Callable[[], list[mx.array]]:
+    return lambda: [step(query, i) for i in range(CALLS)]
+
+
+def chained(query: mx.array, step: Step) -> Callable[[], list[mx.array]]:
+    def build() -> list[mx.array]:
+        x = query
+        for i in range(CALLS):
+            x = step(x, i)
+        return [x]
+    return build
+
+
+def encode_and_wait(build: Callable[[], list[mx.array]], repeats: int = 5) -> tuple[float, float]:
+    """(µs per call the host takes to encode and launch ``build``'s calls, µs per call
+    until they are done), medians of ``repeats``."""
+    mx.eval(build())
+    encode, total = [], []
+    for _ in range(repeats):
+        outs = build()
+        mx.synchronize()
+        start = time.perf_counter()
+        mx.async_eval(outs)
+        encoded = time.perf_counter()
+        mx.synchronize()
+        done = time.perf_counter()
+        encode.append((encoded - start) / CALLS * 1e6)
+        total.append((done - start) / CALLS * 1e6)
+        outs = None
+    return statistics.median(encode), statistics.median(total)
+
+
+def main() -> int:
+    length = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
+    query, paths = steps(length)
+    builds = {name: independent(query, step) for name, step in paths.items()}
+    for name in ("raw SDPA", "affine4", "aura4v2"):
+        builds[f"{name} chained"] = chained(query, paths[name])
+    print_side_by_side(side_by_side(builds, rounds=ROUNDS), f"{length // 1024}k")
+    for name in ("raw SDPA", "affine4", "aura4v2"):
+        encode, total = encode_and_wait(builds[name])
+        print(f"{length // 1024}k {name:8s} host encodes {encode:6.1f} µs a call of {total:6.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
