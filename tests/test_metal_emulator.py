@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from butter_core.kernels import Kernel
+from butter_core.kernels import Kernel, split_k
 from butter_core.kernels.metal_emulator import emulated_metal
 
 
@@ -97,3 +97,23 @@ def test_emulated_tensor_core_vocabulary_is_the_documented_matrix_product():
     d = a.astype(np.float64) @ b.astype(np.float64) + 1.0
     expected = np.stack([d[g, 2 * q], d[g, 2 * q + 1], d[g + 8, 2 * q], d[g + 8, 2 * q + 1]], 1).reshape(-1)
     assert np.allclose(np.array(out), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_splits, dims", [(1, 32), (9, 32), (14, 64)])
+def test_emulated_split_k_merge_folds_its_parts_like_the_softmax_merge(n_splits, dims):
+    """``split_k.merge_partials`` (one thread per dimension for each part: 1, 3 and 4 parts
+    here) on Metal against the merge written out: every split's sums and accumulators
+    rescaled to the largest max, splits that saw no key (max -inf) adding nothing."""
+    rng = np.random.default_rng(n_splits)
+    heads = 2
+    maxes = rng.normal(size=(1, heads, n_splits)).astype(np.float32) * 4
+    sums = rng.uniform(0.5, 3.0, size=(1, heads, n_splits)).astype(np.float32)
+    acc = rng.normal(size=(1, heads, n_splits, dims)).astype(np.float32)
+    if n_splits > 1:  # a split that saw no key
+        maxes[:, :, 1], sums[:, :, 1], acc[:, :, 1] = -np.inf, 0.0, 0.0
+    with emulated_metal():
+        out = split_k.merge_partials(mx.array(acc), mx.array(maxes), mx.array(sums), mx.float32)
+    weights = np.where(np.isinf(maxes), 0.0, np.exp2(maxes - maxes.max(axis=-1, keepdims=True)))
+    expected = (weights[..., None] * acc).sum(axis=2) / (weights * sums).sum(axis=-1)[..., None]
+    assert split_k.merge_threads(n_splits, dims) == dims * -(-n_splits // split_k.SPLITS_PER_THREAD)
+    assert np.allclose(np.array(out).reshape(1, heads, dims), expected, rtol=1e-5, atol=1e-6)
