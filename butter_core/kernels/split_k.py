@@ -36,10 +36,10 @@ kernel's ``helpers``):
   tensor-core kernels of ``butter_core.kernels.mma``): every thread calls it after a
   barrier that follows the stores.
 
-``MERGE_HELPERS`` (device functions, dialect only): ``splitk_fold`` and
-``splitk_combine``, the merge of one (batch, query head)'s split partials by a
-threadgroup, which the merge kernel and a scheme's own merge (AURA's, which folds in
-full-precision rows) share. The threadgroup runs ``parts`` threads per dimension
+``MERGE_HELPERS`` (device functions, dialect only): ``splitk_fold`` (over
+``splitk_fold_state``, one state into another) and ``splitk_combine``, the merge of one
+(batch, query head)'s split partials by a threadgroup, which the merge kernel and a
+scheme's own merge (AURA's, which folds in full-precision rows) share. The threadgroup runs ``parts`` threads per dimension
 (``merge_threads``): each folds its share of the splits into an online-softmax state,
 its loads independent of each other, and the parts' states meet in shared memory. A
 merge is a short chain of dependent loads, on the critical path of every decode step
@@ -205,6 +205,20 @@ MERGE_HELPERS = f"#define SPLITK_MERGE_THREADS {MERGE_THREADS}\n" + r"""
 // state (splitk_fold), every load independent of the others; splitk_combine then merges
 // the parts' states through shared memory.
 
+// Folds one state (max ms, sum ls, accumulator as) into the state (*m, *l, *a), both
+// rescaled to the larger max; a state whose max is -inf (it saw no key) adds nothing.
+BT_FUNC void splitk_fold_state(
+    BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* a, float ms, float ls, float as) {
+  if (ms != BT_NEG_INF) {
+    const float m_new = ms > *m ? ms : *m;
+    const float c = *m == BT_NEG_INF ? 0.0f : bt_exp2(*m - m_new);
+    const float w = bt_exp2(ms - m_new);
+    *l = *l * c + w * ls;
+    *a = *a * c + w * as;
+    *m = m_new;
+  }
+}
+
 // The state of splits p, p + parts, ... at dimension d: *m the largest max (-inf if none
 // saw a key), *l and *a the sums and accumulators, each rescaled to it.
 template <typename Acc, typename Max, typename Sum>
@@ -216,17 +230,8 @@ BT_FUNC void splitk_fold(
   float aa = 0.0f;
 #pragma unroll 8
   for (int s = p; s < n_splits; s += parts) {
-    const float ms = partial_max[head * n_splits + s];
-    const float ls = partial_sum[head * n_splits + s];
-    const float as = partial_acc[(head * n_splits + s) * dims + d];
-    if (ms != BT_NEG_INF) {  // a split that saw no key adds nothing
-      const float m_new = ms > mm ? ms : mm;
-      const float c = mm == BT_NEG_INF ? 0.0f : bt_exp2(mm - m_new);
-      const float w = bt_exp2(ms - m_new);
-      ll = ll * c + w * ls;
-      aa = aa * c + w * as;
-      mm = m_new;
-    }
+    splitk_fold_state(&mm, &ll, &aa, partial_max[head * n_splits + s], partial_sum[head * n_splits + s],
+                      partial_acc[(head * n_splits + s) * dims + d]);
   }
   *m = mm;
   *l = ll;

@@ -285,15 +285,7 @@ _MERGE = Kernel(
 #pragma unroll
   for (int k = 0; k < ROWS_PER_PART; ++k) {
     const int r = p + k * PARTS;
-    const float sr = r < ROWS ? fp_score[r] : BT_NEG_INF;
-    if (sr != BT_NEG_INF) {
-      const float m_new = sr > fm ? sr : fm;
-      const float c = fm == BT_NEG_INF ? 0.0f : bt_exp2(fm - m_new);
-      const float w = bt_exp2(sr - m_new);
-      fl = fl * c + w;
-      fa = fa * c + w * v[k];
-      fm = m_new;
-    }
+    splitk_fold_state(&fm, &fl, &fa, r < ROWS ? fp_score[r] : BT_NEG_INF, 1.0f, v[k]);
   }
   splitk_combine(&m, &l, &a, d, p, PARTS, D, coded_m, coded_l, coded_a);
   splitk_combine(&fm, &fl, &fa, d, p, PARTS, D, fp_m, fp_l, fp_a);
