@@ -75,15 +75,6 @@ def independent(query: mx.array, step: Step) -> Callable[[], list[mx.array]]:
     return lambda: [step(query, i) for i in range(CALLS)]
 
 
-def chained(query: mx.array, step: Step) -> Callable[[], list[mx.array]]:
-    def build() -> list[mx.array]:
-        x = query
-        for i in range(CALLS):
-            x = step(x, i)
-        return [x]
-    return build
-
-
 def encode_and_wait(build: Callable[[], list[mx.array]], repeats: int = 5) -> tuple[float, float]:
     """(µs per call the host takes to encode and launch ``build``'s calls, µs per call
     until they are done), medians of ``repeats``."""
@@ -108,7 +99,7 @@ def main() -> int:
     query, paths = steps(length)
     builds = {name: independent(query, step) for name, step in paths.items()}
     for name in ("raw SDPA", "affine4", "aura4v2"):
-        builds[f"{name} chained"] = chained(query, paths[name])
+        builds[f"{name} chained"] = gpu_affine.chained(query, paths[name], list(range(CALLS)))
     print_side_by_side(side_by_side(builds, rounds=ROUNDS), f"{length // 1024}k")
     for name in ("raw SDPA", "affine4", "aura4v2"):
         encode, total = encode_and_wait(builds[name])

@@ -39,9 +39,10 @@ kernel's ``helpers``):
 ``MERGE_HELPERS`` (device functions, dialect only): ``splitk_fold`` (over
 ``splitk_fold_state``, one state into another) and ``splitk_combine``, the merge of one
 (batch, query head)'s split partials by a threadgroup, which the merge kernel and a
-scheme's own merge (AURA's, which folds in full-precision rows) share. The threadgroup runs ``parts`` threads per dimension
-(``merge_threads``): each folds its share of the splits into an online-softmax state,
-its loads independent of each other, and the parts' states meet in shared memory. A
+scheme's own merge (AURA's, which folds in full-precision rows) share. The threadgroup
+runs ``parts`` threads per dimension (``merge_threads``): each folds its share of the
+splits into an online-softmax state, its loads independent of each other, and the
+parts' states meet in shared memory. A
 merge is a short chain of dependent loads, on the critical path of every decode step
 (a layer's attention waits for it). In isolation on the H200 at 128k (Nsight Compute,
 caches flushed, 2026-12-02), affine4's merge (33 splits) took 6.3 µs this way against

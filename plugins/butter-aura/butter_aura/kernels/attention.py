@@ -296,11 +296,9 @@ _MERGE = Kernel(
   BT_BARRIER;
   aura_fwht_shared<1>(buf, D, D, SPLITK_MERGE_THREADS, t);
   if (p == 0) {
-    const float x = buf[d] / bt_sqrt(static_cast<float>(D)) * sign;
-    const float m_all = m > fm ? m : fm;
-    const float wc = m == BT_NEG_INF ? 0.0f : bt_exp2(m - m_all);
-    const float wf = fm == BT_NEG_INF ? 0.0f : bt_exp2(fm - m_all);
-    out[head * D + d] = bt_from_float<T>((x * wc + fa * wf) / (l * wc + fl * wf));
+    float x = buf[d] / bt_sqrt(static_cast<float>(D)) * sign;
+    splitk_fold_state(&m, &l, &x, fm, fl, fa);
+    out[head * D + d] = bt_from_float<T>(x / l);
   }
 """,
 )
