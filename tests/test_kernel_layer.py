@@ -155,6 +155,20 @@ def test_kernel_is_unavailable_without_a_gpu_and_says_why():
                grid=(1, 1, 1), threadgroup=(1, 1, 1))
 
 
+@no_gpu
+def test_a_call_can_go_to_mlx_past_the_executor():
+    """An executor sees a kernel's calls; one made with ``executor=False`` (how an executor
+    runs a kernel for real, e.g. a stamped copy) reaches MLX, here its missing CUDA back end."""
+    kernel = _kernel("test_layer_past_executor")
+    call = dict(inputs=[mx.zeros((4,))], output_shapes=[(1,)], output_dtypes=[mx.float32],
+                grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    with recorded_builds("cuda") as builds:
+        kernel(**call)
+        with pytest.raises(RuntimeError, match="CUDA"):
+            mx.eval(kernel(**call, executor=False))
+    assert [build.kernel for build in builds] == [kernel]
+
+
 def test_kernel_names_must_be_unique():
     _kernel("test_layer_unique")
     _kernel("test_layer_unique")  # the same definition again is fine

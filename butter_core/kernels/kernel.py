@@ -184,12 +184,16 @@ class Kernel:
         template: Sequence[TemplateArg] = (),
         init_value: float | None = None,
         verbose: bool = False,
+        executor: bool = True,
     ) -> list[mx.array]:
         """Run on the GPU stream, as MLX's custom kernels run: ``grid`` counts threads
-        (not threadgroups) along each axis; outputs are fresh arrays."""
+        (not threadgroups) along each axis; outputs are fresh arrays. Within
+        ``executed_by`` the executor runs the call instead, unless ``executor`` is False
+        (an executor that runs each kernel as another one, as ``bench/gpu_timeline.py``
+        adds timestamps, runs that one on MLX this way)."""
         if init_value is None and _POISON.get():
             init_value = float("nan")
-        execute = _EXECUTOR.get()
+        execute = _EXECUTOR.get() if executor else None
         if execute is not None:
             self._check_available()
             build = Build(
