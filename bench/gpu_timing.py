@@ -44,7 +44,11 @@ class Timing(NamedTuple):
 
 def amortised(build: Callable[[], list[mx.array]], *, calls: int = CALLS, repeats: int = REPEATS) -> Timing:
     """Time ``build`` (which builds ``calls`` calls and returns their outputs): once to
-    compile and warm up, then ``repeats`` times, each evaluated as one graph."""
+    compile and warm up, then ``repeats`` times, each evaluated as one graph. MLX's buffer
+    cache is emptied first: a buffer the host has read (a check's output) has its
+    unified-memory pages on the host, and handed to a timed kernel's output it faults on
+    the GPU's first writes (bench/gpu_timeline.py's ``_READ``; docs/benchmarks.md)."""
+    mx.clear_cache()
     mx.eval(build())
     samples, builds = [], []
     outs = None
