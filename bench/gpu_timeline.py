@@ -19,8 +19,9 @@ as a decode step's layers) and CALLS independent calls:
   a marker, the calls, a marker: µs per call from the first marker's end to the second's
   start. No host time is in it; this is what a GPU-bound decode step pays.
 - **wall**: ``gpu_timing.amortised`` on the same calls (one evaluation, host included).
-  MLX puts up to 100 custom-kernel launches in one CUDA graph before it launches any, so
-  here the GPU waits while the host encodes (``MLX_MAX_OPS_PER_BUFFER`` sets the count).
+  MLX launches a CUDA graph once it holds 100 nodes or 1000M input elements (H200;
+  ``MLX_MAX_OPS_PER_BUFFER``, ``MLX_MAX_MB_PER_BUFFER``), so here the GPU waits while the
+  host encodes our calls, whose inputs are small, for up to ~40 of them at 128k.
 - **stamped kernels** (our paths): each kernel's median span (first start to last end),
   threadgroup time, the gap before it, and how many launches of the run took over 1.5x
   their kernel's median (none, unless a kernel's output buffer faults: see ``_READ``).
