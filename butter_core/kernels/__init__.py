@@ -10,6 +10,8 @@
   compiler runs (needs libclang).
 - ``metal_emulator``: kernels' Metal builds run on the CPU by a C++ emulation of Metal's
   execution model, against their references (needs g++ 12+).
+- ``cuda_emulator``: the same for kernels' CUDA builds, the tensor-core vocabulary's PTX
+  replaced by software, so kernels only a CUDA GPU runs are checked on any machine.
 - ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
 - ``split_k``: the split-K (flash-decoding) helpers, launch plan and merge kernel that
   every fused single-query attention kernel shares.

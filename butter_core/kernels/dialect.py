@@ -289,19 +289,25 @@ BT_FUNC float bt_half2_dot(uint32_t x, uint32_t y) {
   const half2 hy = as_type<half2>(y);
   return static_cast<float>(hx.x) * static_cast<float>(hy.x) + static_cast<float>(hx.y) * static_cast<float>(hy.y);
 }
-BT_FUNC void bt_mma_16x8x16(thread float* c, const thread uint32_t* a, const thread uint32_t* b, unsigned int lane) {
+"""
+"""Metal's tensor-core vocabulary, before ``SHUFFLED_MMA``: correct per-lane semantics, no
+speed; not compiled here (no Apple GPU)."""
+
+SHUFFLED_MMA = r"""
+BT_FUNC void bt_mma_16x8x16(BT_PRIVATE float* c, const BT_PRIVATE uint32_t* a, const BT_PRIVATE uint32_t* b,
+                            unsigned int lane) {
   // Lane (g, q) needs rows g and g+8 of A (held by lanes 4g..4g+3) and columns 2q and
   // 2q+1 of B (held by lanes 8q..8q+3 and 8q+4..8q+7): gather them k-slice by k-slice.
-  const ushort g = static_cast<ushort>(lane / 4);
-  const ushort q = static_cast<ushort>(lane % 4);
-  for (ushort s = 0; s < 4; ++s) {  // the k columns 2s, 2s+1, 2s+8, 2s+9
-    const ushort row_lane = g * 4 + s;
-    const ushort col0_lane = (2 * q) * 4 + s;
-    const ushort col1_lane = (2 * q + 1) * 4 + s;
-    const uint32_t a0 = simd_shuffle(a[0], row_lane), a1 = simd_shuffle(a[1], row_lane);
-    const uint32_t a2 = simd_shuffle(a[2], row_lane), a3 = simd_shuffle(a[3], row_lane);
-    const uint32_t b00 = simd_shuffle(b[0], col0_lane), b01 = simd_shuffle(b[1], col0_lane);
-    const uint32_t b10 = simd_shuffle(b[0], col1_lane), b11 = simd_shuffle(b[1], col1_lane);
+  const int g = static_cast<int>(lane / 4);
+  const int q = static_cast<int>(lane % 4);
+  for (int s = 0; s < 4; ++s) {  // the k columns 2s, 2s+1, 2s+8, 2s+9
+    const int row_lane = g * 4 + s;
+    const int col0_lane = (2 * q) * 4 + s;
+    const int col1_lane = (2 * q + 1) * 4 + s;
+    const uint32_t a0 = bt_shuffle_u32(a[0], row_lane), a1 = bt_shuffle_u32(a[1], row_lane);
+    const uint32_t a2 = bt_shuffle_u32(a[2], row_lane), a3 = bt_shuffle_u32(a[3], row_lane);
+    const uint32_t b00 = bt_shuffle_u32(b[0], col0_lane), b01 = bt_shuffle_u32(b[1], col0_lane);
+    const uint32_t b10 = bt_shuffle_u32(b[0], col1_lane), b11 = bt_shuffle_u32(b[1], col1_lane);
     c[0] += bt_half2_dot(a0, b00) + bt_half2_dot(a2, b01);
     c[1] += bt_half2_dot(a0, b10) + bt_half2_dot(a2, b11);
     c[2] += bt_half2_dot(a1, b00) + bt_half2_dot(a3, b01);
@@ -309,8 +315,9 @@ BT_FUNC void bt_mma_16x8x16(thread float* c, const thread uint32_t* a, const thr
   }
 }
 """
-"""The Metal implementation of the tensor-core vocabulary: correct per-lane semantics,
-no speed; not compiled here (no Apple GPU)."""
+"""``bt_mma_16x8x16`` without tensor cores: each lane gathers its rows and columns through
+``bt_shuffle_u32`` and sums ``bt_half2_dot`` products in float32. Metal's vocabulary and
+the CUDA emulator's (``cuda_emulator.SOFTWARE_MMA``) both end with it."""
 
 _GROUP_REDUCTIONS = """\
 template <int W> BT_FUNC float bt_group_sum(float v) {
@@ -347,7 +354,7 @@ HEADER: dict[Backend, str] = {
 }
 """Macros and helper functions of the dialect; put before a kernel's own helpers."""
 
-MMA_HEADER: dict[Backend, str] = {"metal": _METAL_MMA, "cuda": _CUDA_MMA}
+MMA_HEADER: dict[Backend, str] = {"metal": _METAL_MMA + SHUFFLED_MMA, "cuda": _CUDA_MMA}
 """The tensor-core vocabulary (and ``bt_any``, ``bt_shuffle_u32``): added after ``HEADER``
 only for kernels built with ``mma=True``, so no other kernel's source changes."""
 

@@ -204,9 +204,10 @@ def translation_unit(build: Build, all_constant: bool = False) -> str:
     return "\n".join(lines)
 
 
-def template_declarations(build: Build) -> list[str]:
+def template_declarations(build: Build, types: dict = METAL_TYPES) -> list[str]:
     """``build``'s template values as the declarations that open a kernel body instead of
-    template parameters (``constexpr int D = 128;``, ``using T = bfloat16_t;``)."""
+    template parameters (``constexpr int D = 128;``, ``using T = bfloat16_t;``), dtypes named
+    as ``types`` names them."""
     lines = []
     for name, value in build.template:
         if isinstance(value, bool):
@@ -214,7 +215,7 @@ def template_declarations(build: Build) -> list[str]:
         elif isinstance(value, int):
             lines.append(f"  constexpr int {name} = {value};")
         else:
-            lines.append(f"  using {name} = {METAL_TYPES[value]};")
+            lines.append(f"  using {name} = {types[value]};")
     return lines
 
 

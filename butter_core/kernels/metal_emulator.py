@@ -18,15 +18,18 @@ where a GPU may fuse or approximate. Slow: seconds to a minute per check case.
 ``python -m butter_core.kernels.metal_emulator SCHEME [CHECK ...]`` runs an installed
 scheme's kernel checks (those built for Metal) and exits non-zero if any fails. Needs
 g++ 12 or newer (``_Float16``); compiled builds are cached under
-``butter_cache_dir()/metal-emulator``.
+``butter_cache_dir()/kernel-emulator``. ``cuda_emulator`` runs CUDA builds through the
+same program (``kernel_parameters``, ``main_source``, ``execute``, ``check_scheme``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,7 +84,7 @@ int main(int argc, char** argv) {
     ins[i].resize(ins[i].size() + 64);  // an empty input still has an address
   }
   for (int i = 0; i < N_OUT; ++i) outs[i] = read_file(dir + "/out" + std::to_string(i));
-  emu_dispatch(uint3{gx, gy, gz}, uint3{tx, ty, tz}, [&] { emulated_kernel(ARGS); });
+  emu_dispatch(uint3{gx, gy, gz}, uint3{tx, ty, tz}, DISPATCH[&] { emulated_kernel(ARGS); });
   for (int i = 0; i < N_OUT; ++i) {
     std::ofstream f(dir + "/out" + std::to_string(i), std::ios::binary);
     f.write(outs[i].data(), outs[i].size());
@@ -103,10 +106,28 @@ def emulator_source(launch: Launch) -> str:
     build = launch.build
     kernel = build.kernel
     source = kernel.source("metal")
+    params, args = kernel_parameters(launch, METAL_TYPES)
+    lines = [f'#include "{HEADER}"', kernel.header("metal"), "void emulated_kernel(" + ", ".join(params) + ") {"]
+    lines += template_declarations(build, METAL_TYPES)
+    for name, kind in ATTRIBUTES.items():
+        if name in source:
+            if name not in ATTRIBUTE_VALUES:
+                raise NotImplementedError(f"{kernel.name}: the emulator has no {name}")
+            lines.append(f"  const {kind} {name} = {ATTRIBUTE_VALUES[name]};")
+    return "\n".join([*lines, source, "}", main_source(launch, args)])
+
+
+def kernel_parameters(launch: Launch, types: dict) -> tuple[list[str], list[str]]:
+    """The emulated kernel function's parameters (each input as a pointer to its type in
+    ``types``, then its ``_shape``/``_ndim`` where the body uses them, then the outputs) and
+    the arguments ``main`` passes for them."""
+    build = launch.build
+    kernel = build.kernel
+    source = kernel.source(build.backend)
     params, args = [], []
     for i, (name, dtype) in enumerate(zip(kernel.input_names, build.input_dtypes)):
-        params.append(f"const {METAL_TYPES[dtype]}* {name}")
-        args.append(f"reinterpret_cast<const {METAL_TYPES[dtype]}*>(ins[{i}].data())")
+        params.append(f"const {types[dtype]}* {name}")
+        args.append(f"reinterpret_cast<const {types[dtype]}*>(ins[{i}].data())")
         if name + "_strides" in source:
             raise NotImplementedError(f"{kernel.name}: the emulator passes no strides ({name}_strides)")
         if name + "_shape" in source:
@@ -116,23 +137,33 @@ def emulator_source(launch: Launch) -> str:
             params.append(f"int {name}_ndim")
             args.append(f"ndims[{i}]")
     for i, (name, dtype) in enumerate(zip(kernel.output_names, build.output_dtypes)):
-        params.append(f"{METAL_TYPES[dtype]}* {name}")
-        args.append(f"reinterpret_cast<{METAL_TYPES[dtype]}*>(outs[{i}].data())")
-    lines = [f'#include "{HEADER}"', kernel.header("metal"), "void emulated_kernel(" + ", ".join(params) + ") {"]
-    lines += template_declarations(build)
-    for name, kind in ATTRIBUTES.items():
-        if name in source:
-            if name not in ATTRIBUTE_VALUES:
-                raise NotImplementedError(f"{kernel.name}: the emulator has no {name}")
-            lines.append(f"  const {kind} {name} = {ATTRIBUTE_VALUES[name]};")
-    main = (_MAIN.replace("N_IN", str(len(kernel.input_names))).replace("N_OUT", str(len(kernel.output_names)))
-            .replace("ARGS", ", ".join(args)))
-    return "\n".join([*lines, source, "}", main])
+        params.append(f"{types[dtype]}* {name}")
+        args.append(f"reinterpret_cast<{types[dtype]}*>(outs[{i}].data())")
+    return params, args
+
+
+def main_source(launch: Launch, args: list[str], dispatch: str = "") -> str:
+    """The ``main`` of an emulated kernel's program: it reads the inputs and the outputs'
+    initial bytes as ``execute`` lays them out, dispatches ``emulated_kernel(args)``
+    (``dispatch``: more arguments of the emulator's ``emu_dispatch``) and writes the outputs."""
+    kernel = launch.build.kernel
+    return (_MAIN.replace("N_IN", str(len(kernel.input_names))).replace("N_OUT", str(len(kernel.output_names)))
+            .replace("DISPATCH", dispatch).replace("ARGS", ", ".join(args)))
+
+
+@functools.cache
+def compiler_available() -> bool:
+    """Whether this machine has the compiler the emulators need (g++ with ``_Float16``: 12+)."""
+    if shutil.which("g++") is None:
+        return False
+    probe = subprocess.run(["g++", "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="_Float16 h;",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
 
 
 def compiled(source: str) -> Path:
     """The executable built from ``source`` (g++, C++20), cached by the source's hash."""
-    folder = butter_cache_dir() / "metal-emulator"
+    folder = butter_cache_dir() / "kernel-emulator"
     folder.mkdir(parents=True, exist_ok=True)
     executable = folder / hashlib.sha256(source.encode()).hexdigest()[:24]
     if not executable.exists():
@@ -149,7 +180,13 @@ def compiled(source: str) -> Path:
 
 def run(launch: Launch) -> list[mx.array]:
     """``launch`` executed by the emulator: its outputs, as MLX's kernel would return them."""
-    executable = compiled(emulator_source(launch))
+    return execute(launch, emulator_source(launch))
+
+
+def execute(launch: Launch, source: str) -> list[mx.array]:
+    """``launch`` run by the program ``source`` (an emulator's, with ``main_source``'s
+    ``main``): its outputs, as MLX's kernel would return them."""
+    executable = compiled(source)
     with tempfile.TemporaryDirectory() as folder:
         shapes = []
         for i, x in enumerate(launch.inputs):
@@ -186,22 +223,28 @@ def _from_bytes(data: bytes, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.arra
 
 
 def main(argv: list[str] | None = None) -> int:
+    return check_scheme(argv, "metal", emulated_metal, __doc__.splitlines()[0])
+
+
+def check_scheme(argv: list[str] | None, backend: str, emulated, description: str) -> int:
+    """The command line of an emulator: an installed scheme's kernel checks built for
+    ``backend``, each case run within ``emulated()``; non-zero if any fails."""
     from butter_core.plugins import get_plugin_host  # noqa: PLC0415 - only the command needs the plugins
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("scheme", help="an installed scheme (butter plugins lists them)")
-    parser.add_argument("checks", nargs="*", help="only these kernel checks (default: all built for Metal)")
+    parser.add_argument("checks", nargs="*", help=f"only these kernel checks (default: all built for {backend})")
     args = parser.parse_args(argv)
     schemes = get_plugin_host().schemes
     if args.scheme not in schemes:
         parser.error(f"no scheme {args.scheme!r}; installed: {', '.join(sorted(schemes))}")
     checks = [c for c in schemes[args.scheme].scheme.kernel_checks()
-              if "metal" in c.backends and (not args.checks or c.name in args.checks)]
+              if backend in c.backends and (not args.checks or c.name in args.checks)]
     failed = 0
     for check in checks:
         for seed, case in enumerate(check.cases):
             start = time.perf_counter()
-            with emulated_metal():
+            with emulated():
                 result = check.check(seed, **case)
             failed += not result.passed
             print(f"{'ok  ' if result.passed else 'FAIL'} {check.name} {_case_text(case)} "

@@ -9,6 +9,8 @@ import pytest
 from butter_core import LayerSpec
 from butter_core.cache import reference_attention
 from butter_core.kernels import backend, executed_by, gpu_backend, recorded_builds, relative_error
+from butter_core.kernels.cuda_emulator import emulated_cuda
+from butter_core.kernels.metal_emulator import compiler_available
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 
 from butter_aura import cpu, reference
@@ -23,6 +25,20 @@ def test_kernel_matches_reference(check, case):
     if gpu_backend() not in check.backends:
         pytest.skip(f"{check.name} is built for {sorted(check.backends)} only")
     result = check.check(seed=11, **case)
+    assert result.passed, result
+
+
+MMA_CHECK = next(c for c in KERNEL_CHECKS if c.name == "decode_attention_mma")
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the CUDA emulator needs g++ 12+ (_Float16)")
+@pytest.mark.parametrize("index", [2, 5, 9, 14])  # one case of each bit pair, a few seconds each
+def test_tensor_core_decode_matches_reference_under_the_cuda_emulator(index):
+    """The tensor-core kernel is CUDA only; the emulator runs its CUDA build here, so a
+    change to it is checked on every machine (every case: ``python -m
+    butter_core.kernels.cuda_emulator aura decode_attention_mma``)."""
+    with emulated_cuda():
+        result = MMA_CHECK.check(seed=11, **MMA_CHECK.cases[index])
     assert result.passed, result
 
 

@@ -1,30 +1,24 @@
-"""The Metal emulator runs the dialect's Metal-only code: reductions, shared memory, the tensor-core vocabulary."""
+"""The kernel emulators run the dialect's per-backend code on the CPU: reductions, shared memory, the
+tensor-core vocabulary (Metal's shuffle emulation; on CUDA, the software stand-in for its PTX)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from butter_core.kernels import Kernel, split_k
-from butter_core.kernels.metal_emulator import emulated_metal
+from butter_core.kernels.cuda_emulator import emulated_cuda
+from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 
 
-def _has_float16_compiler() -> bool:
-    if shutil.which("g++") is None:
-        return False
-    probe = subprocess.run(["g++", "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="_Float16 h;",
-                           capture_output=True, text=True)
-    return probe.returncode == 0
+pytestmark = pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
 
-
-pytestmark = pytest.mark.skipif(not _has_float16_compiler(), reason="the Metal emulator needs g++ 12+ (_Float16)")
+EMULATORS = pytest.mark.parametrize("emulated", [emulated_metal, emulated_cuda], ids=["metal", "cuda"])
 
 REDUCE = Kernel(
-    "test_metal_emulator_reduce",
+    "test_kernel_emulators_reduce",
     ["x"],
     ["out"],
     """
@@ -48,7 +42,7 @@ REDUCE = Kernel(
 )
 
 MMA = Kernel(
-    "test_metal_emulator_mma",
+    "test_kernel_emulators_mma",
     ["a_fragments", "b_fragments"],
     ["out"],
     """
@@ -63,10 +57,11 @@ MMA = Kernel(
 )
 
 
+@EMULATORS
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_emulated_simdgroup_reductions_and_shared_memory(dtype):
+def test_emulated_warp_reductions_and_shared_memory(emulated, dtype):
     x = mx.random.normal((128,), key=mx.random.key(0)).astype(dtype)
-    with emulated_metal():
+    with emulated():
         (out,) = REDUCE(inputs=[x], output_shapes=[(32,)], output_dtypes=[dtype], grid=(128, 1, 1),
                         threadgroup=(64, 1, 1), template=[("T", dtype)])
     x32 = x.astype(mx.float32)
@@ -81,9 +76,10 @@ def _half2(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return lo.view(np.uint16).astype(np.uint32) | (hi.view(np.uint16).astype(np.uint32) << 16)
 
 
-def test_emulated_tensor_core_vocabulary_is_the_documented_matrix_product():
-    """``bt_mma_16x8x16`` on Metal (a simd_shuffle emulation) against D = A B + C, with the
-    per-lane fragment layout the dialect documents."""
+@EMULATORS
+def test_emulated_tensor_core_vocabulary_is_the_documented_matrix_product(emulated):
+    """``bt_mma_16x8x16`` (Metal's simd_shuffle emulation; the CUDA emulator's stand-in for
+    ``mma.sync``) against D = A B + C, with the per-lane fragment layout the dialect documents."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((16, 16)).astype(np.float16), rng.standard_normal((16, 8)).astype(np.float16)
     lanes = np.arange(32)
@@ -91,7 +87,7 @@ def test_emulated_tensor_core_vocabulary_is_the_documented_matrix_product():
     a_fragments = np.stack([_half2(a[g, 2 * q], a[g, 2 * q + 1]), _half2(a[g + 8, 2 * q], a[g + 8, 2 * q + 1]),
                             _half2(a[g, 2 * q + 8], a[g, 2 * q + 9]), _half2(a[g + 8, 2 * q + 8], a[g + 8, 2 * q + 9])], 1)
     b_fragments = np.stack([_half2(b[2 * q, g], b[2 * q + 1, g]), _half2(b[2 * q + 8, g], b[2 * q + 9, g])], 1)
-    with emulated_metal():
+    with emulated():
         (out,) = MMA(inputs=[mx.array(a_fragments.reshape(-1)), mx.array(b_fragments.reshape(-1))],
                      output_shapes=[(128,)], output_dtypes=[mx.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
     d = a.astype(np.float64) @ b.astype(np.float64) + 1.0
@@ -99,10 +95,11 @@ def test_emulated_tensor_core_vocabulary_is_the_documented_matrix_product():
     assert np.allclose(np.array(out), expected, rtol=1e-5, atol=1e-5)
 
 
+@EMULATORS
 @pytest.mark.parametrize("n_splits, dims", [(1, 32), (9, 32), (14, 64)])
-def test_emulated_split_k_merge_folds_its_parts_like_the_softmax_merge(n_splits, dims):
+def test_emulated_split_k_merge_folds_its_parts_like_the_softmax_merge(emulated, n_splits, dims):
     """``split_k.merge_partials`` (one thread per dimension for each part: 1, 3 and 4 parts
-    here) on Metal against the merge written out: every split's sums and accumulators
+    here) against the merge written out: every split's sums and accumulators
     rescaled to the largest max, splits that saw no key (max -inf) adding nothing."""
     rng = np.random.default_rng(n_splits)
     heads = 2
@@ -111,7 +108,7 @@ def test_emulated_split_k_merge_folds_its_parts_like_the_softmax_merge(n_splits,
     acc = rng.normal(size=(1, heads, n_splits, dims)).astype(np.float32)
     if n_splits > 1:  # a split that saw no key
         maxes[:, :, 1], sums[:, :, 1], acc[:, :, 1] = -np.inf, 0.0, 0.0
-    with emulated_metal():
+    with emulated():
         out = split_k.merge_partials(mx.array(acc), mx.array(maxes), mx.array(sums), mx.float32)
     weights = np.where(np.isinf(maxes), 0.0, np.exp2(maxes - maxes.max(axis=-1, keepdims=True)))
     expected = (weights[..., None] * acc).sum(axis=2) / (weights * sums).sum(axis=-1)[..., None]
