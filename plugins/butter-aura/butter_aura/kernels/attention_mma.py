@@ -289,7 +289,7 @@ _BODY = """
     load_values(base, vc);
   }
   if constexpr (RING) {
-    aura_ring_commit();
+    bt_copy_commit();
   }
 
   // The look-up tables: 256 entries of 256 bytes in dynamic shared memory. Entry e holds
@@ -360,8 +360,8 @@ _BODY = """
         load_keys(base + STEP, true, false);
         load_values(base + STEP, vc);
       }
-      aura_ring_commit();
-      aura_ring_wait<1>();
+      bt_copy_commit();
+      bt_copy_wait<1>();
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
@@ -581,27 +581,18 @@ BT_FUNC void aura_load_bytes(const unsigned char* src, uint32_t* dst) {
   }
 }
 
-// RING: a lane's code bytes for a later step, staged in shared memory by cp.async, so no
-// registers are held while they are in flight. In a segment, unit u (U bytes) of lane l
-// lies at (u * 32 + l) * U: a warp's accesses to one unit are consecutive (no bank
-// conflicts), and a lane reads back only what it copied itself (no warp barrier).
+// RING: a lane's code bytes for a later step, staged in shared memory by the dialect's
+// asynchronous copies, so no registers are held while they are in flight. In a segment,
+// unit u (U bytes) of lane l lies at (u * 32 + l) * U: a warp's accesses to one unit are
+// consecutive (no bank conflicts), and a lane reads back only what it copied itself (no
+// warp barrier; bt_copy_wait makes its own copies visible to it).
 template <int N>
 BT_FUNC void aura_ring_put(unsigned char* seg, unsigned int lane, const unsigned char* src) {
   constexpr int U = N >= 16 ? 16 : N;
-  static_assert(N % U == 0 && (U == 4 || U == 8 || U == 16), "cp.async moves 4, 8 or 16 bytes");
+  static_assert(N % U == 0, "whole 4-, 8- or 16-byte units");
 #pragma unroll
   for (int u = 0; u < N / U; ++u) {
-    unsigned char* dst = seg + (u * 32 + lane) * U;
-#ifdef __CUDA_ARCH__
-    const unsigned int to = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
-    if constexpr (U == 16) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src + u * U));
-    } else {
-      asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(to), "l"(src + u * U), "n"(U));
-    }
-#else
-    std::memcpy(dst, src + u * U, U);  // a CPU emulator: the copy is done at once
-#endif
+    bt_copy_async<U>(seg + (u * 32 + lane) * U, src + u * U);
   }
 }
 template <int N>
@@ -620,19 +611,6 @@ BT_FUNC void aura_ring_get(const unsigned char* seg, unsigned int lane, uint32_t
       dst[u] = *reinterpret_cast<const uint32_t*>(at);
     }
   }
-}
-// Close the group of copies issued since the last commit / wait until at most N groups
-// are in flight (the copies of the others are then visible to this thread).
-BT_FUNC void aura_ring_commit() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.commit_group;");
-#endif
-}
-template <int N>
-BT_FUNC void aura_ring_wait() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-#endif
 }
 
 // A look-up table's value for byte n of `words`, from the copy at byte offset `copy`
