@@ -6,15 +6,9 @@
 // by software (cuda_emulator.py).
 #pragma once
 #define BT_EMULATED_CUDA
-#include <algorithm>
-#include <barrier>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <functional>
 #include <limits>
-#include <thread>
-#include <vector>
+#include "emulator_threads.h"
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static  // blocks run one after another; a block's threads share statics
@@ -57,33 +51,13 @@ template <typename T> inline T min(T a, T b) { return b < a ? b : a; }  // CUDA'
 template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
 namespace cuda { namespace std { template <typename T> using numeric_limits = ::std::numeric_limits<T>; } }
 
-struct EmuWarp { std::barrier<>* bar; uint64_t v[32]; };
-thread_local EmuWarp* emu_warp;
-thread_local std::barrier<>* emu_block;
-thread_local unsigned emu_lane;
 thread_local uint3 threadIdx, blockIdx, blockDim, gridDim;
 thread_local unsigned char* emu_dynamic_shared;
 
-template <typename T> inline T emu_exchange(T v, unsigned src) {
-  static_assert(sizeof(T) <= 8, "a shuffled value fits 8 bytes");
-  uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
-  emu_warp->v[emu_lane] = bits;
-  emu_warp->bar->arrive_and_wait();
-  const uint64_t r = emu_warp->v[src & 31];
-  emu_warp->bar->arrive_and_wait();
-  T out; std::memcpy(&out, &r, sizeof(T)); return out;
-}
 template <typename T> inline T __shfl_sync(unsigned, T v, int src) { return emu_exchange(v, static_cast<unsigned>(src)); }
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) { return emu_exchange(v, emu_lane ^ static_cast<unsigned>(mask)); }
-inline bool __any_sync(unsigned, bool p) {
-  emu_warp->v[emu_lane] = p;
-  emu_warp->bar->arrive_and_wait();
-  bool r = false;
-  for (int i = 0; i < 32; ++i) r = r || emu_warp->v[i];
-  emu_warp->bar->arrive_and_wait();
-  return r;
-}
-inline void __syncthreads() { emu_block->arrive_and_wait(); }
+inline bool __any_sync(unsigned, bool p) { return emu_any(p); }
+inline void __syncthreads() { emu_group->arrive_and_wait(); }
 
 // cp.async, per thread: copies wait in groups and land when a wait retires their group.
 struct EmuCopy { unsigned char* dst; const unsigned char* src; int n; };
@@ -108,27 +82,13 @@ inline void emu_copy_wait(int in_flight) {
 inline void emu_dispatch(uint3 grid, uint3 group, unsigned shared, const std::function<void()>& fn) {
   const uint3 block{std::min(group.x, grid.x), std::min(group.y, grid.y), std::min(group.z, grid.z)};
   const uint3 blocks{(grid.x + group.x - 1) / group.x, (grid.y + group.y - 1) / group.y, (grid.z + group.z - 1) / group.z};
-  const int threads = block.x * block.y * block.z;
   std::vector<uint4> dynamic((shared + 15) / 16 + 1);
   for (unsigned z = 0; z < blocks.z; ++z) for (unsigned y = 0; y < blocks.y; ++y) for (unsigned x = 0; x < blocks.x; ++x) {
-    std::barrier<> bar(threads);
-    const int warps = (threads + 31) / 32;
-    std::vector<EmuWarp> ws(warps);
-    std::vector<std::barrier<>*> wbars;
-    for (int w = 0; w < warps; ++w) { wbars.push_back(new std::barrier<>(std::min(32, threads - 32 * w))); ws[w].bar = wbars.back(); }
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t) {
-      ts.emplace_back([&, t, x, y, z] {
-        threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-        blockIdx = {x, y, z}; blockDim = block; gridDim = blocks;
-        emu_lane = t % 32; emu_warp = &ws[t / 32]; emu_block = &bar;
-        emu_dynamic_shared = reinterpret_cast<unsigned char*>(dynamic.data());
-        fn();
-        emu_warp->bar->arrive_and_drop();
-        emu_block->arrive_and_drop();
-      });
-    }
-    for (auto& th : ts) th.join();
-    for (auto* b : wbars) delete b;
+    emu_run_group(block.x * block.y * block.z, [&](int t) {
+      threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+      blockIdx = {x, y, z}; blockDim = block; gridDim = blocks;
+      emu_dynamic_shared = reinterpret_cast<unsigned char*>(dynamic.data());
+      fn();
+    });
   }
 }

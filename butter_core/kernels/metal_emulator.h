@@ -4,15 +4,9 @@
 // bfloat16_t rounds to nearest even as Metal 3.1's bfloat. Address spaces mean nothing here.
 #pragma once
 #define BT_EMULATED
-#include <algorithm>
-#include <barrier>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <functional>
 #include <limits>
-#include <thread>
-#include <vector>
+#include "emulator_threads.h"
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
@@ -53,39 +47,22 @@ template <typename T> using numeric_limits = std::numeric_limits<T>;
 }  // namespace metal
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 
-struct EmuSimd { std::barrier<>* bar; uint64_t v[32]; };
-thread_local EmuSimd* emu_simd;
-thread_local std::barrier<>* emu_group;
 thread_local uint3 emu_tg_pos, emu_pos_in_tg, emu_tg_size, emu_tgs, emu_pos;
-thread_local uint emu_index, emu_lane, emu_simd_index;
+thread_local uint emu_index, emu_simd_index;
 
-template <typename T> inline T emu_exchange(T v, ushort src) {
-  uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
-  emu_simd->v[emu_lane] = bits;
-  emu_simd->bar->arrive_and_wait();
-  uint64_t r = emu_simd->v[src & 31];
-  emu_simd->bar->arrive_and_wait();
-  T out; std::memcpy(&out, &r, sizeof(T)); return out;
-}
 template <typename T> inline T simd_shuffle(T v, ushort src) { return emu_exchange(v, src); }
-template <typename T> inline T simd_shuffle_xor(T v, ushort mask) { return emu_exchange(v, (ushort)(emu_lane ^ mask)); }
+template <typename T> inline T simd_shuffle_xor(T v, ushort mask) { return emu_exchange(v, emu_lane ^ mask); }
 inline float emu_reduce(float v, bool max) {
-  emu_simd->v[emu_lane] = 0; std::memcpy(&emu_simd->v[emu_lane], &v, 4);
-  emu_simd->bar->arrive_and_wait();
+  emu_warp->v[emu_lane] = 0; std::memcpy(&emu_warp->v[emu_lane], &v, 4);
+  emu_warp->bar->arrive_and_wait();
   float r = 0; bool first = true;
-  for (int i = 0; i < 32; ++i) { float x; std::memcpy(&x, &emu_simd->v[i], 4); r = first ? x : (max ? std::max(r, x) : r + x); first = false; }
-  emu_simd->bar->arrive_and_wait();
+  for (int i = 0; i < 32; ++i) { float x; std::memcpy(&x, &emu_warp->v[i], 4); r = first ? x : (max ? std::max(r, x) : r + x); first = false; }
+  emu_warp->bar->arrive_and_wait();
   return r;
 }
 inline float simd_sum(float v) { return emu_reduce(v, false); }
 inline float simd_max(float v) { return emu_reduce(v, true); }
-inline bool simd_any(bool p) {
-  emu_simd->v[emu_lane] = p;
-  emu_simd->bar->arrive_and_wait();
-  bool r = false; for (int i = 0; i < 32; ++i) r = r || emu_simd->v[i];
-  emu_simd->bar->arrive_and_wait();
-  return r;
-}
+inline bool simd_any(bool p) { return emu_any(p); }
 inline void threadgroup_barrier(mem_flags) { emu_group->arrive_and_wait(); }
 
 // Metal's dispatchThreads(grid, group): threadgroups of `group` threads cover `grid` threads.
@@ -94,28 +71,14 @@ inline void emu_dispatch(uint3 grid, uint3 group, const std::function<void()>& f
   for (uint z = 0; z < tgs.z; ++z) for (uint y = 0; y < tgs.y; ++y) for (uint x = 0; x < tgs.x; ++x) {
     // The threadgroup at the grid's edge may be partial (non-uniform dispatch).
     const uint3 size{std::min(group.x, grid.x - x * group.x), std::min(group.y, grid.y - y * group.y), std::min(group.z, grid.z - z * group.z)};
-    const int threads = size.x * size.y * size.z;
-    std::barrier<> gbar(threads);
-    const int simds = (threads + 31) / 32;
-    std::vector<EmuSimd> ss(simds);
-    std::vector<std::barrier<>*> sbars;
-    for (int s = 0; s < simds; ++s) { sbars.push_back(new std::barrier<>(std::min(32, threads - 32 * s))); ss[s].bar = sbars.back(); }
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t) {
-      ts.emplace_back([&, t, x, y, z] {
-        emu_tg_pos = {x, y, z};
-        emu_pos_in_tg = {t % size.x, (t / size.x) % size.y, t / (size.x * size.y)};
-        emu_tg_size = size; emu_tgs = tgs;
-        emu_pos = {x * group.x + emu_pos_in_tg.x, y * group.y + emu_pos_in_tg.y, z * group.z + emu_pos_in_tg.z};
-        emu_index = t; emu_lane = t % 32; emu_simd_index = t / 32;
-        emu_simd = &ss[t / 32]; emu_group = &gbar;
-        fn();
-        emu_simd->bar->arrive_and_drop();
-        emu_group->arrive_and_drop();
-      });
-    }
-    for (auto& th : ts) th.join();
-    for (auto* b : sbars) delete b;
+    emu_run_group(size.x * size.y * size.z, [&](int t) {
+      emu_tg_pos = {x, y, z};
+      emu_pos_in_tg = {t % size.x, (t / size.x) % size.y, t / (size.x * size.y)};
+      emu_tg_size = size; emu_tgs = tgs;
+      emu_pos = {x * group.x + emu_pos_in_tg.x, y * group.y + emu_pos_in_tg.y, z * group.z + emu_pos_in_tg.z};
+      emu_index = t; emu_simd_index = t / 32;
+      fn();
+    });
   }
 }
 // Metal's address spaces mean nothing here (defined last: std::thread is a name).

@@ -600,16 +600,7 @@ BT_FUNC void aura_ring_get(const unsigned char* seg, unsigned int lane, uint32_t
   constexpr int U = N >= 16 ? 16 : N;
 #pragma unroll
   for (int u = 0; u < N / U; ++u) {
-    const unsigned char* at = seg + (u * 32 + lane) * U;
-    if constexpr (U == 16) {
-      const uint4 a = *reinterpret_cast<const uint4*>(at);
-      dst[4 * u] = a.x; dst[4 * u + 1] = a.y; dst[4 * u + 2] = a.z; dst[4 * u + 3] = a.w;
-    } else if constexpr (U == 8) {
-      const uint2 a = *reinterpret_cast<const uint2*>(at);
-      dst[2 * u] = a.x; dst[2 * u + 1] = a.y;
-    } else {
-      dst[u] = *reinterpret_cast<const uint32_t*>(at);
-    }
+    aura_load_bytes<U, false>(seg + (u * 32 + lane) * U, dst + u * (U / 4));
   }
 }
 
