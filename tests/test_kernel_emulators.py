@@ -3,6 +3,7 @@ tensor-core vocabulary (Metal's shuffle emulation; on CUDA, the software stand-i
 
 from __future__ import annotations
 
+import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from butter_core.kernels import Kernel, split_k
 from butter_core.kernels.cuda_emulator import emulated_cuda
+from butter_core.kernels import metal_emulator
 from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 
 
@@ -146,3 +148,18 @@ def test_emulated_async_copies_land_when_a_wait_retires_their_group():
                       threadgroup=(32, 1, 1))
     assert np.array(out[0::2]).tolist() == [0] * 32
     assert np.array(out[1::2]).tolist() == list(range(1, 129, 4))
+
+
+def test_emulator_builds_are_keyed_by_their_headers_too(tmp_path, monkeypatch):
+    """The program names its headers by path; a changed header must not reuse an old build."""
+    monkeypatch.setattr(metal_emulator, "butter_cache_dir", lambda: tmp_path)
+    header = tmp_path / "headers" / "probe.h"
+    header.parent.mkdir()
+    monkeypatch.setattr(metal_emulator, "HEADER", header)
+    source = f'#include "{header}"\nint main() {{ return VALUE; }}\n'
+    header.write_text("#define VALUE 3\n")
+    first = metal_emulator.compiled(source)
+    header.write_text("#define VALUE 4\n")
+    second = metal_emulator.compiled(source)
+    assert first != second
+    assert subprocess.run([str(second)]).returncode == 4

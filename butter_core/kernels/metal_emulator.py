@@ -162,10 +162,14 @@ def compiler_available() -> bool:
 
 
 def compiled(source: str) -> Path:
-    """The executable built from ``source`` (g++, C++20), cached by the source's hash."""
+    """The executable built from ``source`` (g++, C++20), cached by the hash of the source
+    and of the emulators' headers it includes by path (so a changed header rebuilds)."""
     folder = butter_cache_dir() / "kernel-emulator"
     folder.mkdir(parents=True, exist_ok=True)
-    executable = folder / hashlib.sha256(source.encode()).hexdigest()[:24]
+    key = hashlib.sha256(source.encode())
+    for header in sorted(HEADER.parent.glob("*.h")):
+        key.update(header.read_bytes())
+    executable = folder / key.hexdigest()[:24]
     if not executable.exists():
         cpp = executable.with_suffix(".cpp")
         cpp.write_text(source)
