@@ -9,8 +9,6 @@ to raw's independent calls):
 - the same two with their partials kernel only (``decode_mma.partials``,
   ``attention_mma.partials``): what the merge adds among independent calls, where it
   partly overlaps the next call's partials;
-- aura4v2 with its codes staged a step ahead in shared memory (``ring=True``, 4 and 6
-  warps per threadgroup), the variant ``bench/gpu_timeline.py --paths`` also takes;
 - all three *chained*, each call's query the previous call's output, as a decode step's
   layers run: the merge and every launch on the critical path.
 
@@ -68,9 +66,6 @@ def steps(length: int) -> tuple[mx.array, dict[str, Step]]:
         "affine4 partials only": lambda q, i: decode_mma.partials(q, *affine_buffers(i), live=live,
                                                                   scale=scale_array)[0],
         "aura4v2": lambda q, i: attention.decode_attention(q, aura_stored(i), scale, method="mma"),
-        "aura4v2 ring": lambda q, i: attention.decode_attention(q, aura_stored(i), scale, method="mma", ring=True),
-        "aura4v2 ring, 6 warps": lambda q, i: attention.decode_attention(q, aura_stored(i), scale, method="mma",
-                                                                         ring=True, warps=6),
         "aura4v2 partials only": lambda q, i: attention_mma.partials(
             q, aura_stored(i), attention.live_params(aura_stored(i)), scale_array)[0],
     }

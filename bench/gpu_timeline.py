@@ -231,8 +231,7 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=10, help="calls run before the first marker")
     parser.add_argument("--save", help="an .npz file for every launch's stamps")
     parser.add_argument("--paths", nargs="+", default=["raw SDPA", "affine4", "aura4v2"],
-                        help="gpu_decode_parts.steps' paths, raw SDPA first (also: 'aura4v2 ring', "
-                             "'aura4v2 ring, 6 warps', the partials-only paths)")
+                        help="gpu_decode_parts.steps' paths, raw SDPA first (also: the partials-only paths)")
     args = parser.parse_args()
     query, paths = gpu_decode_parts.steps(args.context)
     if args.paths[0] != "raw SDPA" or not set(args.paths) <= set(paths):

@@ -118,38 +118,6 @@ def test_emulated_split_k_merge_folds_its_parts_like_the_softmax_merge(emulated,
     assert np.allclose(np.array(out).reshape(1, heads, dims), expected, rtol=1e-5, atol=1e-6)
 
 
-COPY = Kernel(
-    "test_kernel_emulators_copy",
-    ["src"],
-    ["out"],
-    """
-  // Each lane stages 16 bytes (its 4 words of src) by an asynchronous copy and reads the
-  // first word before and after waiting for it.
-  BT_SHARED uint4 staged[32];
-  staged[lane_id] = make_uint4(0u, 0u, 0u, 0u);
-  bt_copy_async<16>(reinterpret_cast<unsigned char*>(&staged[lane_id]),
-                    reinterpret_cast<const unsigned char*>(src) + 16 * lane_id);
-  bt_copy_commit();
-  const uint32_t early = staged[lane_id].x;
-  bt_copy_wait<0>();
-  out[2 * lane_id] = early;
-  out[2 * lane_id + 1] = staged[lane_id].x;
-""",
-    mma=True,
-)
-
-
-def test_emulated_async_copies_land_when_a_wait_retires_their_group():
-    """The CUDA emulator holds a ``bt_copy_async`` until ``bt_copy_wait`` retires its group,
-    the latest a GPU may land it, so a kernel that reads staged bytes too early fails."""
-    src = mx.arange(1, 129, dtype=mx.uint32)
-    with emulated_cuda():
-        (out,) = COPY(inputs=[src], output_shapes=[(64,)], output_dtypes=[mx.uint32], grid=(32, 1, 1),
-                      threadgroup=(32, 1, 1))
-    assert np.array(out[0::2]).tolist() == [0] * 32
-    assert np.array(out[1::2]).tolist() == list(range(1, 129, 4))
-
-
 def test_emulator_builds_are_keyed_by_their_headers_too(tmp_path, monkeypatch):
     """The program names its headers by path; a changed header must not reuse an old build."""
     monkeypatch.setattr(metal_emulator, "butter_cache_dir", lambda: tmp_path)

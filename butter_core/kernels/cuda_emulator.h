@@ -59,24 +59,6 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) { return
 inline bool __any_sync(unsigned, bool p) { return emu_any(p); }
 inline void __syncthreads() { emu_group->arrive_and_wait(); }
 
-// cp.async, per thread: copies wait in groups and land when a wait retires their group.
-struct EmuCopy { unsigned char* dst; const unsigned char* src; int n; };
-thread_local std::vector<EmuCopy> emu_open_copies;
-thread_local std::vector<std::vector<EmuCopy>> emu_copy_groups;  // committed, oldest first
-inline void emu_copy_async(unsigned char* dst, const unsigned char* src, int n) {
-  emu_open_copies.push_back({dst, src, n});
-}
-inline void emu_copy_commit() {
-  emu_copy_groups.push_back(std::move(emu_open_copies));
-  emu_open_copies.clear();
-}
-inline void emu_copy_wait(int in_flight) {
-  while (static_cast<int>(emu_copy_groups.size()) > in_flight) {
-    for (const EmuCopy& c : emu_copy_groups.front()) std::memcpy(c.dst, c.src, c.n);
-    emu_copy_groups.erase(emu_copy_groups.begin());
-  }
-}
-
 // A launch as MLX makes it: `grid` counts threads; blocks of min(group, grid) threads,
 // ceil(grid / group) of them along each axis; `shared` bytes of dynamic shared memory.
 inline void emu_dispatch(uint3 grid, uint3 group, unsigned shared, const std::function<void()>& fn) {

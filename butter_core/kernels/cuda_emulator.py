@@ -8,9 +8,9 @@ the block shares, dynamic shared memory per block, ``__half`` as ``_Float16``,
 ``__nv_bfloat16`` rounding to nearest even) and run on the call's inputs. The dialect's
 tensor-core vocabulary, inline PTX on a GPU, is replaced by ``SOFTWARE_MMA``: the same
 per-lane contract in plain C++ (``mma.sync`` gathered lane by lane through shuffles:
-the dialect's ``SHUFFLED_MMA``, as the Metal build does; ``cp.async`` copies that land
-only when a wait retires their group, so reading before waiting reads stale bytes). So kernels only a CUDA GPU runs — butter-aura's and butter-affine's
-tensor-core decode — are checked against their references on any machine, CI included.
+the dialect's ``SHUFFLED_MMA``, as the Metal build does). So kernels only a CUDA GPU
+runs — butter-aura's and butter-affine's tensor-core decode — are checked against their
+references on any machine, CI included.
 
 It is an emulation, not a GPU: no warp scheduling or memory-ordering effects beyond what
 real threads and barriers give, exact IEEE arithmetic where the GPU approximates (the
@@ -66,14 +66,6 @@ BT_FUNC uint32_t bt_pack_half2(float lo, float hi) {
   return emu_bits(static_cast<_Float16>(lo)) | (emu_bits(static_cast<_Float16>(hi)) << 16);
 }
 BT_FUNC uint32_t bt_byte_perm(uint32_t x, uint32_t y, uint32_t s) { return __byte_perm(x, y, s); }
-// Asynchronous copies land only when a wait retires their group: a kernel that reads
-// before it waits reads what was there before.
-template <int N> BT_FUNC void bt_copy_async(unsigned char* dst, const unsigned char* src) {
-  static_assert(N == 4 || N == 8 || N == 16, "cp.async moves 4, 8 or 16 bytes");
-  emu_copy_async(dst, src, N);
-}
-BT_FUNC void bt_copy_commit() { emu_copy_commit(); }
-template <int N> BT_FUNC void bt_copy_wait() { emu_copy_wait(N); }
 BT_FUNC float bt_half2_dot(uint32_t x, uint32_t y) {
   return static_cast<float>(emu_half(x, 0)) * static_cast<float>(emu_half(y, 0)) +
          static_cast<float>(emu_half(x, 1)) * static_cast<float>(emu_half(y, 1));

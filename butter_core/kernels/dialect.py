@@ -73,16 +73,6 @@ the first, lower-index element, as CUDA's ``__half2`` and Metal's ``half2`` do.
                                           lane), written to be correct, never compiled or
                                           run here (no Apple GPU): a Metal kernel that wants
                                           speed should use ``simdgroup_matrix`` instead.
-    bt_copy_async<N>(dst, src)            copy N bytes (4, 8 or 16; both ends N-aligned)
-                                          from global memory to shared memory without
-                                          holding registers (CUDA: ``cp.async``; Metal: a
-                                          plain copy at once). The bytes are this thread's
-                                          to read only after ...
-    bt_copy_commit()                      closes the group of copies this thread issued
-                                          since the last commit, and
-    bt_copy_wait<N>()                     returns once at most the N newest groups are in
-                                          flight (CUDA: ``cp.async.wait_group``). Another
-                                          thread sees them only after a barrier as well.
 
 Inputs' address space. On Metal an input of fewer than 8 elements arrives in the
 ``constant`` address space, any other in ``device`` (below), and the two do not convert:
@@ -263,18 +253,6 @@ BT_FUNC uint32_t bt_pack_half2(float lo, float hi) {
   return d;
 }
 BT_FUNC uint32_t bt_byte_perm(uint32_t x, uint32_t y, uint32_t s) { return __byte_perm(x, y, s); }
-template <int N>
-BT_FUNC void bt_copy_async(unsigned char* dst, const unsigned char* src) {
-  static_assert(N == 4 || N == 8 || N == 16, "cp.async moves 4, 8 or 16 bytes");
-  const unsigned int to = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
-  if constexpr (N == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(to), "l"(src), "n"(N));
-  }
-}
-BT_FUNC void bt_copy_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> BT_FUNC void bt_copy_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 BT_FUNC void bt_mma_16x8x16(float* c, const uint32_t* a, const uint32_t* b, unsigned int lane) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -306,14 +284,6 @@ BT_FUNC uint32_t bt_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   }
   return r;
 }
-template <int N>
-BT_FUNC void bt_copy_async(threadgroup unsigned char* dst, const device unsigned char* src) {
-  for (int i = 0; i < N; ++i) {
-    dst[i] = src[i];
-  }
-}
-BT_FUNC void bt_copy_commit() {}
-template <int N> BT_FUNC void bt_copy_wait() {}
 BT_FUNC float bt_half2_dot(uint32_t x, uint32_t y) {
   const half2 hx = as_type<half2>(x);
   const half2 hy = as_type<half2>(y);

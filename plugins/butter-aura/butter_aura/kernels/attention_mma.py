@@ -120,15 +120,6 @@ def shared_bytes(warps: int, heads: int, dims: int) -> int:
     return max(LUT_BYTES, warps * heads * (dims + 2) * 4)
 
 
-def ring_bytes(warps: int, blocks: int, dims: int, key_bits: int, value_bits: int) -> int:
-    """``RING``'s stages, after the tables: two steps of each warp's key and value codes."""
-    key_lane, value_lane = dims // 4 * key_bits // 8, dims // 8 * value_bits // 8
-    if min(key_lane, value_lane) < 4:
-        raise ValueError(f"ring: cp.async moves 4, 8 or 16 bytes; a lane's value codes are {value_lane} bytes here "
-                         f"(head_dim {dims}, {value_bits}-bit values)")
-    return warps * 2 * blocks * 32 * (2 * key_lane + 4 * value_lane)
-
-
 def blocks_per_sm(shared: int, warps: int, shape: GpuShape) -> int:
     """Threadgroups of the partials kernel one multiprocessor of ``shape`` holds at once
     (an H200's: three)."""
@@ -158,8 +149,7 @@ def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int)
 
 _BODY = """
   // Template: T (query dtype), D, KB, VB (code bits), HEADS, WARPS, BLOCKS (16-key blocks per warp step),
-  // READ_ONLY, AHEAD (value codes loaded a step ahead, into a second buffer), RING (codes
-  // staged a step ahead in shared memory after the tables, by cp.async; not with AHEAD).
+  // READ_ONLY, AHEAD (value codes loaded a step ahead, into a second buffer).
   // params: [live, sinks, ring, recent_lo, recent_hi]. Scales are float16.
   constexpr int THREADS = WARPS * BT_WARP_SIZE;
   constexpr int KSTEPS = D / 16;            // k-steps of the score MMA
@@ -195,14 +185,6 @@ _BODY = """
   // Codes and scales of a step (key block b = keys base + 16 b + [0, 16)): the key codes
   // and scales are reloaded for the next step as soon as the scores are done; the value
   // codes with them into a second buffer (AHEAD), else as soon as the values are done.
-  BT_DYNAMIC_SHARED(uint4, aura_lut);  // the tables (below), then RING's stages
-  constexpr int RING_K = 32 * KLB;                                   // a warp's key segment
-  constexpr int RING_V = 32 * VLB;                                   // a warp's value segment
-  constexpr int RING_STAGE = BLOCKS * (2 * RING_K + 4 * RING_V);     // a warp's step
-  unsigned char* ring = reinterpret_cast<unsigned char*>(aura_lut) + 256 * 256 + warp_id * 2 * RING_STAGE;
-  int put = 0;  // RING: the stage the loaders fill
-  static_assert(!(RING && AHEAD), "RING stages the value codes itself");
-
   uint32_t kc[BLOCKS][2][KLW];   // keys g and g + 8: this lane's quarter of their codes
   uint32_t vc[BLOCKS][4][VLW];   // keys 2t, 2t+1, 2t+8, 2t+9: this lane's eighth of their codes
   uint32_t vn[AHEAD ? BLOCKS : 1][4][VLW];  // AHEAD: the next step's value codes
@@ -210,32 +192,19 @@ _BODY = """
   float vs[BLOCKS][2];           // their value scales
   // A step wholly inside [start, end) reads from one address per array plus constant
   // offsets; the last step of a split clamps each key to the last one.
-  // A key block's codes into kc, or with RING into stage `put` of the ring.
-  auto stage_keys = [&](const unsigned char* src, int b, int h) {
-    if constexpr (RING) {
-      aura_ring_put<KLB>(ring + put * RING_STAGE + (2 * b + h) * RING_K, lane_id, src);
-    } else {
-      aura_load_bytes<KLB, READ_ONLY>(src, kc[b][h]);
-    }
-  };
-  // `codes`, `scales`: what to load (with RING the codes and the scales go at different times).
-  auto load_keys = [&](int at, bool codes, bool scales) {
+  auto load_keys = [&](int at) {
     if (at + KEYS <= block.end) {
       const uint32_t key = static_cast<uint32_t>(at + g);
-      const unsigned char* kcodes = k_base + key * static_cast<uint32_t>(KWB);
+      const unsigned char* codes = k_base + key * static_cast<uint32_t>(KWB);
       const BT_GLOBAL __half* kscales = ks_base + key;
       const BT_GLOBAL __half* vscales = vs_base + key;
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (codes) {
-            stage_keys(kcodes + (16 * b + 8 * h) * KWB, b, h);
-          }
-          if (scales) {
-            ks[b][h] = bt_to_float(bt_read_if<READ_ONLY>(kscales + 16 * b + 8 * h));
-            vs[b][h] = bt_to_float(bt_read_if<READ_ONLY>(vscales + 16 * b + 8 * h));
-          }
+          aura_load_bytes<KLB, READ_ONLY>(codes + (16 * b + 8 * h) * KWB, kc[b][h]);
+          ks[b][h] = bt_to_float(bt_read_if<READ_ONLY>(kscales + 16 * b + 8 * h));
+          vs[b][h] = bt_to_float(bt_read_if<READ_ONLY>(vscales + 16 * b + 8 * h));
         }
       }
     } else {
@@ -244,23 +213,11 @@ _BODY = """
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 8 * h + g, last));
-          if (codes) {
-            stage_keys(k_base + key * static_cast<uint32_t>(KWB), b, h);
-          }
-          if (scales) {
-            ks[b][h] = bt_to_float(bt_read_if<READ_ONLY>(ks_base + key));
-            vs[b][h] = bt_to_float(bt_read_if<READ_ONLY>(vs_base + key));
-          }
+          aura_load_bytes<KLB, READ_ONLY>(k_base + key * static_cast<uint32_t>(KWB), kc[b][h]);
+          ks[b][h] = bt_to_float(bt_read_if<READ_ONLY>(ks_base + key));
+          vs[b][h] = bt_to_float(bt_read_if<READ_ONLY>(vs_base + key));
         }
       }
-    }
-  };
-  // A value block's codes into dst, or with RING into stage `put` of the ring.
-  auto stage_values = [&](const unsigned char* src, int b, int i, uint32_t (*dst)[4][VLW]) {
-    if constexpr (RING) {
-      aura_ring_put<VLB>(ring + put * RING_STAGE + BLOCKS * 2 * RING_K + (4 * b + i) * RING_V, lane_id, src);
-    } else {
-      aura_load_bytes<VLB, READ_ONLY>(src, dst[b][i]);
     }
   };
   auto load_values = [&](int at, uint32_t (*dst)[4][VLW]) {
@@ -270,7 +227,7 @@ _BODY = """
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          stage_values(codes + (16 * b + (i & 1) + 8 * (i >> 1)) * VWB, b, i, dst);
+          aura_load_bytes<VLB, READ_ONLY>(codes + (16 * b + (i & 1) + 8 * (i >> 1)) * VWB, dst[b][i]);
         }
       }
     } else {
@@ -279,17 +236,14 @@ _BODY = """
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 2 * t + (i & 1) + 8 * (i >> 1), last));
-          stage_values(v_base + key * static_cast<uint32_t>(VWB), b, i, dst);
+          aura_load_bytes<VLB, READ_ONLY>(v_base + key * static_cast<uint32_t>(VWB), dst[b][i]);
         }
       }
     }
   };
   if (base < block.end) {  // the first step's loads overlap building the tables
-    load_keys(base, true, true);
+    load_keys(base);
     load_values(base, vc);
-  }
-  if constexpr (RING) {
-    bt_copy_commit();
   }
 
   // The look-up tables: 256 entries of 256 bytes in dynamic shared memory. Entry e holds
@@ -298,6 +252,7 @@ _BODY = """
   // copy l (l % 16), so its byte address is one byte permute of the code word:
   // e << 8 | its copy's offset (aura_lut_offset). After the loop the same memory holds
   // the warps' states.
+  BT_DYNAMIC_SHARED(uint4, aura_lut);
   const char* lut = reinterpret_cast<const char*>(aura_lut);
   BT_SHARED float k_lv[256];
   BT_SHARED float v_lv[256];
@@ -352,29 +307,6 @@ _BODY = """
 
   // The loop bound is uniform across the warp: every lane reaches the MMAs and shuffles.
   for (; base < block.end; base += STEP) {
-    if constexpr (RING) {
-      // The next step's codes into the other stage, then this step's out of the ring.
-      const int here = put;
-      put ^= 1;
-      if (base + STEP < block.end) {
-        load_keys(base + STEP, true, false);
-        load_values(base + STEP, vc);
-      }
-      bt_copy_commit();
-      bt_copy_wait<1>();
-#pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          aura_ring_get<KLB>(ring + here * RING_STAGE + (2 * b + h) * RING_K, lane_id, kc[b][h]);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          aura_ring_get<VLB>(ring + here * RING_STAGE + BLOCKS * 2 * RING_K + (4 * b + i) * RING_V, lane_id,
-                             vc[b][i]);
-        }
-      }
-    }
     // S^T = K Q^T per key block: A = key levels (rows g and g + 8 = keys g and g + 8),
     // B = the query; C: s[b][0, 1] = key g, heads 2t, 2t+1; s[b][2, 3] = key g + 8.
     // Two accumulation chains per block (even and odd k-steps).
@@ -416,7 +348,7 @@ _BODY = """
       }
     }
     if (base + STEP < block.end) {
-      load_keys(base + STEP, !RING, true);
+      load_keys(base + STEP);
       if constexpr (AHEAD) {
         load_values(base + STEP, vn);
       }
@@ -543,7 +475,7 @@ _BODY = """
           }
         }
       }
-    } else if (!RING && base + STEP < block.end) {
+    } else if (base + STEP < block.end) {
       load_values(base + STEP, vc);
     }
   }
@@ -578,29 +510,6 @@ BT_FUNC void aura_load_bytes(const unsigned char* src, uint32_t* dst) {
   } else {
     static_assert(N == 2, "2, 4, 8, 16 or 32 bytes");
     dst[0] = bt_read_if<RO>(reinterpret_cast<const unsigned short*>(src));
-  }
-}
-
-// RING: a lane's code bytes for a later step, staged in shared memory by the dialect's
-// asynchronous copies, so no registers are held while they are in flight. In a segment,
-// unit u (U bytes) of lane l lies at (u * 32 + l) * U: a warp's accesses to one unit are
-// consecutive (no bank conflicts), and a lane reads back only what it copied itself (no
-// warp barrier; bt_copy_wait makes its own copies visible to it).
-template <int N>
-BT_FUNC void aura_ring_put(unsigned char* seg, unsigned int lane, const unsigned char* src) {
-  constexpr int U = N >= 16 ? 16 : N;
-  static_assert(N % U == 0, "whole 4-, 8- or 16-byte units");
-#pragma unroll
-  for (int u = 0; u < N / U; ++u) {
-    bt_copy_async<U>(seg + (u * 32 + lane) * U, src + u * U);
-  }
-}
-template <int N>
-BT_FUNC void aura_ring_get(const unsigned char* seg, unsigned int lane, uint32_t* dst) {
-  constexpr int U = N >= 16 ? 16 : N;
-#pragma unroll
-  for (int u = 0; u < N / U; ++u) {
-    aura_load_bytes<U, false>(seg + (u * 32 + lane) * U, dst + u * (U / 4));
   }
 }
 
@@ -700,28 +609,15 @@ def partials(
     ahead: bool | None = None,
     per_sm: int | None = None,
     splits: int | None = None,
-    ring: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
     slots; ``splits`` forces the split count (tests), else ``num_splits`` for at most
-    ``per_sm`` threadgroups per multiprocessor (default: as many as fit). ``ring`` stages
-    each step's codes a step ahead in shared memory by ``cp.async`` instead of registers
-    (``RING``; not with ``ahead``; more shared memory, so fewer threadgroups per
-    multiprocessor: a variant to measure, not the default)."""
+    ``per_sm`` threadgroups per multiprocessor (default: as many as fit)."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = stored.key_codes.shape[1]
     kc, vc = stored.key_codec, stored.value_codec
     heads = split_k.heads_per_block(q_heads // kv_heads, MAX_HEADS_PER_BLOCK)
-    if blocks is None:
-        blocks = default_blocks(kc.bits, vc.bits, dims)
-    if ring and ahead:
-        raise ValueError("ring stages the value codes itself: it takes ahead=False (or None)")
-    if ring:
-        ahead = False
     shared = shared_bytes(warps, heads, dims)
-    if ring:
-        assert shared == LUT_BYTES, "the ring starts where the tables end"
-        shared += ring_bytes(warps, blocks, dims, kc.bits, vc.bits)
     blocks_per_split = batch * q_heads // heads
     if splits is None:
         shape = gpu_shape()
@@ -729,6 +625,8 @@ def partials(
         if per_sm is not None:
             resident = min(per_sm, resident)
         splits = num_splits(stored.length, blocks_per_split, shape.multiprocessors * resident, min_keys)
+    if blocks is None:
+        blocks = default_blocks(kc.bits, vc.bits, dims)
     threads = warps * 32
     launch = split_k.SplitKLaunch(
         heads=heads, n_splits=splits, grid=(threads * blocks_per_split, splits, 1), threadgroup=(threads, 1, 1),
@@ -744,7 +642,6 @@ def partials(
             ("WARPS", warps), ("BLOCKS", blocks),
             ("READ_ONLY", READ_ONLY_LOADS if read_only is None else read_only),
             ("AHEAD", default_ahead(kc.bits, vc.bits, dims) if ahead is None else ahead),
-            ("RING", ring),
         ],
         grid=launch.grid,
         threadgroup=launch.threadgroup,

@@ -141,18 +141,17 @@ def dequantize_reference_joined(stored, dtype) -> mx.array:
     return mx.concatenate(reference.dequantize(stored, dtype), axis=-1)
 
 
-def make_split_inputs(seed: int, *, splits: int | None = None, ring: bool = False, **sizes) -> dict:
-    """``make_stored``'s inputs plus a forced split count (None: the kernel's own plan) and
-    whether the tensor-core kernel stages its codes in shared memory (``ring``)."""
-    return {**make_stored(seed, **sizes), "splits": splits, "ring": ring}
+def make_split_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
+    """``make_stored``'s inputs plus a forced split count (None: the kernel's own plan)."""
+    return {**make_stored(seed, **sizes), "splits": splits}
 
 
-def mma_decode_attention(queries, stored, scale, splits=None, ring=False) -> mx.array:
+def mma_decode_attention(queries, stored, scale, splits=None) -> mx.array:
     """``decode_attention`` through the tensor-core partials kernel (``attention_mma``)."""
-    return attention.decode_attention(queries, stored, scale, method="mma", splits=splits, ring=ring)
+    return attention.decode_attention(queries, stored, scale, method="mma", splits=splits)
 
 
-def reference_decode_attention(queries, stored, scale, splits=None, ring=False) -> mx.array:
+def reference_decode_attention(queries, stored, scale, splits=None) -> mx.array:
     return reference.decode_attention(queries, stored, scale)
 
 
@@ -238,14 +237,6 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
              "q_heads": 14, "kv_heads": 2},
             {"length": 3000, "allocated": 3000, "key_bits": 8, "value_bits": 8, "head_dim": 64, "dtype": mx.float16,
              "q_heads": 8, "kv_heads": 1, "encoded": False},
-            # The codes staged in shared memory (ring): one case per bit pair.
-            {"length": 300, "allocated": 300, "q_heads": 8, "kv_heads": 2, "recent_end": 150, "ring": True},
-            {"length": 300, "allocated": 320, "key_bits": 4, "value_bits": 4, "head_dim": 64, "dtype": mx.float16,
-             "splits": 5, "ring": True},
-            {"length": 777, "allocated": 800, "key_bits": 8, "value_bits": 4, "q_heads": 24, "kv_heads": 2,
-             "ring": True},
-            {"length": 333, "allocated": 400, "key_bits": 8, "value_bits": 8, "dtype": mx.float16, "splits": 7,
-             "ring": True},
         ),
         rtol=ATTENTION_RTOL,
         backends=frozenset({"cuda"}),  # 64 KB of dynamic shared memory, which Metal's custom kernels lack
