@@ -33,8 +33,8 @@ Run on a machine with a GPU backend (the lent H200, or Apple silicon), from the 
    budget lasts.
 5. **min-keys** — aura4v2 at every context with ``min_keys`` 128-2048, side by side.
 6. **ahead** — at 128k, side by side: the tensor-core kernel's defaults against value
-   codes loaded with the values, not a step ahead (``ahead=False``), and against two
-   threadgroups per multiprocessor instead of three (``per_sm=2``); aura4v2 with raw SDPA
+   codes loaded with the values, not a step ahead (``ahead=False``), and against four
+   warps per threadgroup, three threadgroups per multiprocessor (``warps=4``); aura4v2 with raw SDPA
    both as independent calls and *chained* (each call's output the next call's query, as
    the layers of a decode step wait on each other), then aura4v4 and aura8v8.
 
@@ -75,7 +75,7 @@ MAX_COPIES = 32
 GOAL = 0.35
 METHODS = ("mma", "simt")
 TUNABLES = ({"read_only": True}, {"read_only": True, "min_keys": 512}, {"read_only": True, "blocks": 1},
-            {"blocks": 1}, {"warps": 8}, {"min_keys": 64}, {"min_keys": 512})
+            {"blocks": 1}, {"warps": 4}, {"warps": 8}, {"min_keys": 64}, {"min_keys": 512}, {"min_keys": 384})
 TIME_BUDGET_S = 420.0
 """The tunables stop starting new work after this many seconds (a GPU command may run 10 min)."""
 START = time.perf_counter()
@@ -371,7 +371,7 @@ def chained_aura(copies: list[dict], **tunables) -> Callable[[], list[mx.array]]
     return build
 
 
-AHEAD_VARIANTS = {"defaults": {}, "values not ahead": {"ahead": False}, "2 threadgroups per SM": {"per_sm": 2}}
+AHEAD_VARIANTS = {"defaults": {}, "values not ahead": {"ahead": False}, "4 warps, 3 threadgroups per SM": {"warps": 4}}
 
 
 def run_ahead(length: int = 131072) -> dict:

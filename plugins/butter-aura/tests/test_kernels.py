@@ -128,7 +128,9 @@ GPUS = {
 @pytest.mark.parametrize("blocks_per_split", [1, 8, 16, 64])
 def test_tensor_core_launch_is_at_most_one_wave(length, blocks_per_split, gpu):
     shape = GPUS[gpu]
-    resident = shape.multiprocessors * attention_mma.blocks_per_sm(attention_mma.shared_bytes(4, 4, 128), 4, shape)
+    warps = attention_mma.WARPS
+    resident = shape.multiprocessors * attention_mma.blocks_per_sm(attention_mma.shared_bytes(warps, 4, 128), warps,
+                                                                  shape)
     splits = attention_mma.num_splits(length, blocks_per_split, resident, attention_mma.MIN_KEYS_PER_SPLIT)
     assert splits >= 1
     assert splits == 1 or splits * blocks_per_split <= resident
@@ -137,10 +139,12 @@ def test_tensor_core_launch_is_at_most_one_wave(length, blocks_per_split, gpu):
 
 @pytest.mark.parametrize("gpu", GPUS)
 def test_tensor_core_launch_follows_the_device(monkeypatch, gpu):
-    """The partials launch of a 128k decode fills one wave of the device's own shape: three
-    threadgroups per multiprocessor on an H200 (registers), two on an A100 and one on an RTX
-    4090 (the 64 KB of tables in their 164 and 100 KB of shared memory). The shape stands in
-    for a device; the launches are recorded, not run."""
+    """The partials launch of a 128k decode fills one wave of the device's own shape: one
+    twelve-warp threadgroup per multiprocessor (registers: 168 x 384 threads), 132 on an
+    H200, 108 on an A100, 128 on an RTX 4090; with four warps, three per multiprocessor on
+    an H200 (registers), two on an A100 and one on an RTX 4090 (the 64 KB of tables in their
+    164 and 100 KB of shared memory). The shape stands in for a device; the launches are
+    recorded, not run."""
     shape = GPUS[gpu]
     monkeypatch.setattr(attention_mma, "gpu_shape", lambda: shape)
     monkeypatch.setattr(backend, "cuda_compute_capability", lambda: (9, 0))
@@ -152,13 +156,17 @@ def test_tensor_core_launch_follows_the_device(monkeypatch, gpu):
         grids.append((launch.build.kernel.name, launch.grid, launch.threadgroup))
         return [mx.zeros(s, d) for s, d in zip(launch.output_shapes, launch.build.output_dtypes)]
 
-    with executed_by("cuda", record):
-        attention.decode_attention(**inputs, method="mma")
-    name, grid, threadgroup = grids[0]
-    assert name.startswith("butter_aura_decode_mma_partials")
-    threadgroups = grid[0] // threadgroup[0] * grid[1]
-    per_sm = {"H200": 3, "A100": 2, "RTX 4090": 1}[gpu]
-    assert shape.multiprocessors * per_sm - 8 < threadgroups <= shape.multiprocessors * per_sm
+    for warps, per_sm in ((attention_mma.WARPS, {"H200": 1, "A100": 1, "RTX 4090": 1}),
+                          (4, {"H200": 3, "A100": 2, "RTX 4090": 1})):
+        grids.clear()
+        with executed_by("cuda", record):
+            attention.decode_attention(**inputs, method="mma", warps=warps)
+        name, grid, threadgroup = grids[0]
+        assert name.startswith("butter_aura_decode_mma_partials")
+        assert threadgroup[0] == 32 * warps
+        threadgroups = grid[0] // threadgroup[0] * grid[1]
+        resident = shape.multiprocessors * per_sm[gpu]
+        assert resident - 8 < threadgroups <= resident
 
 
 @pytest.mark.skipif(gpu_backend() != "cuda", reason="the traced decode runs on CUDA only")

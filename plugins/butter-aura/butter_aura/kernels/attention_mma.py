@@ -80,12 +80,19 @@ values; another pair would need its own checks)."""
 HEAD_DIMS = (64, 128)
 QUERY_DTYPES = (mx.float16, mx.bfloat16)
 
-WARPS = 4
-"""Warps per threadgroup (each takes its own steps of ``BLOCKS`` * 16 keys)."""
+WARPS = 12
+"""Warps per threadgroup (each takes its own steps of ``BLOCKS`` * 16 keys): twelve, one
+threadgroup per multiprocessor (registers allow no more: 168 x 384 threads), so each
+multiprocessor builds the 64 KB of tables once instead of three times and a call has a
+third of the splits to merge. H200, aura4v2, chained calls, GPU time by the kernels' own
+stamps, ratio to raw SDPA (2026-12-02, 3 rounds): 0.422x against 0.431x for four warps
+at 128k, 0.555x against 0.627x at 32k, 0.662x against 0.731x at 4k; 128k aura4v4 0.487x
+against 0.496x, aura8v4 and aura8v8 unchanged (0.651x / 0.781x). Eight warps (one
+threadgroup per multiprocessor) 0.496x at 128k."""
 BLOCKS = 2
 """16-key blocks a warp takes per step: more loads in flight, one softmax reduction per step
-(``default_blocks``: 1 where 2 would need more registers than three threadgroups per
-multiprocessor leave)."""
+(``default_blocks``: 1 where 2 would need more than 168 registers, the most that leave one
+twelve-warp or three four-warp threadgroups per multiprocessor)."""
 READ_ONLY_LOADS = True
 """Load codes and scales through the read-only data path (``bt_read``: CUDA's
 ``ld.global.nc``). H200, 128k, paired in one run (2026-11-30): aura4v2 87.5 / 85.6 /
@@ -122,7 +129,7 @@ def shared_bytes(warps: int, heads: int, dims: int) -> int:
 
 def blocks_per_sm(shared: int, warps: int, shape: GpuShape) -> int:
     """Threadgroups of the partials kernel one multiprocessor of ``shape`` holds at once
-    (an H200's: three)."""
+    (an H200's: one of twelve warps, three of four)."""
     by_shared = shape.shared_per_multiprocessor // (shared + STATIC_SHARED + RESERVED_SHARED)
     by_registers = shape.registers_per_multiprocessor // (REGISTERS * 32 * warps)
     return max(1, min(by_shared, by_registers, 64 // warps))
