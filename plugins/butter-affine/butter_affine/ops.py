@@ -7,7 +7,7 @@ and single-token decode attention. Per backend, from measurement:
 |---|---|---|---|
 | quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel, traced once per row shape (``traced_quantize``) | ``quantize_kv`` kernel |
 | dequantize | reference (``codec.dequantize``), compiled | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
-| decode | float32: 8-bit codes with one group per row: the codes cast to float32 and matmuls, scales and biases applied to the products (``one_group_decode``); other float32 formats: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel; either traced once per buffer shape (``kernel_decode``) | dequantize + SDPA (the seed's path) |
+| decode | float32: 8-bit codes with one group per row: the keys' codes cast to float32 and a matmul, scales and biases applied to the products, the values through ``mx.quantized_matmul`` (``one_group_decode``); other float32 formats: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel; either traced once per buffer shape (``kernel_decode``) | dequantize + SDPA (the seed's path) |
 
 CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
 ``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does.
@@ -201,11 +201,18 @@ def _cpu_decode(fmt: PackedFormat) -> Decode | None:
 
 def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: float) -> mx.array:
     """Single-token attention over a cache's stacks of float32 8-bit codes with one scale
-    and bias per row, on the CPU, from the codes themselves: with row ``i``'s code bytes
-    ``c_i`` (only cast to float32), ``q · k_i = s_i (q · c_i) + b_i Σq`` and
-    ``Σ_i w_i v_i = (w s) · c + w · b``: two matmuls on the cast codes and a few products
-    the size of the scores. Products
-    and softmax in ``butter_core.cpu_attention``'s form (keys as rows, ``softmax_for``).
+    and bias per row, on the CPU, from the codes themselves: with row ``i``'s key code
+    bytes ``c_i`` (only cast to float32), ``q · k_i = s_i (q · c_i) + b_i Σq``, a matmul on
+    the cast codes and a few products the size of the scores; the values' product is
+    ``mx.quantized_matmul`` (``transpose=False``, MLX's fast direction on the CPU), which
+    reads the value codes without a cast. Products and softmax in
+    ``butter_core.cpu_attention``'s form (keys as rows, ``softmax_for``).
+
+    The values were cast too until 2026-12-02 (``Σ_i w_i v_i = (w s) · c + w · b``). 30
+    default-model layers, attention ms per token, three alternating processes of each
+    (``bench/cpu_decode_paths.py`` with the old form patched back in), medians: 1k 27.8
+    against 31.1 (raw 21.8), 4k 81 against 102 (raw 57), on a day this machine ran ~2.5x
+    slower than the figures below.
 
     Every product runs over all allocated slots, the weights of those past ``length`` set
     to 0 (their codes, scales and biases are finite: zeros or an earlier row's): the live
@@ -220,8 +227,9 @@ def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: flo
     keys = mx.view(buffers["key_codes"], mx.uint8).astype(mx.float32)
     scores = (keys @ q.swapaxes(-1, -2)) * buffers["key_scales"] + buffers["key_biases"] * q.sum(axis=-1)[..., None, :]
     weights = _live_weights(softmax, scores, length)
-    values = mx.view(buffers["value_codes"], mx.uint8).astype(mx.float32)
-    out = (weights * buffers["value_scales"].swapaxes(-1, -2)) @ values + weights @ buffers["value_biases"]
+    codes = buffers["value_codes"]
+    out = mx.quantized_matmul(weights, codes, buffers["value_scales"], buffers["value_biases"], transpose=False,
+                              group_size=codes.shape[-1] * 4, bits=8)
     return out.reshape(queries.shape)
 
 
