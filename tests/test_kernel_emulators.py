@@ -9,9 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from butter_core.kernels import Kernel, split_k
+from butter_core.kernels import Kernel, metal_emulator, split_k
 from butter_core.kernels.cuda_emulator import emulated_cuda
-from butter_core.kernels import metal_emulator
 from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 
 

@@ -211,8 +211,8 @@ def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: flo
     The values were cast too until 2026-12-02 (``Σ_i w_i v_i = (w s) · c + w · b``). 30
     default-model layers, attention ms per token, three alternating processes of each
     (``bench/cpu_decode_paths.py`` with the old form patched back in), medians: 1k 27.8
-    against 31.1 (raw 21.8), 4k 81 against 102 (raw 57), on a day this machine ran ~2.5x
-    slower than the figures below.
+    against 31.1 (raw 21.8), 4k 81 against 102 (raw 57), on a day this machine ran 2-3x
+    slower than the figures below (docs/benchmarks.md).
 
     Every product runs over all allocated slots, the weights of those past ``length`` set
     to 0 (their codes, scales and biases are finite: zeros or an earlier row's): the live
