@@ -23,6 +23,7 @@ from butter_core.kernels import (
 )
 from butter_core.kernels import backend as kernel_backend
 from butter_core.kernels.dialect import HEADER, MMA_HEADER, PREAMBLE, compact
+from butter_core.kernels.kernel import build_key
 
 BACKENDS = ("metal", "cuda")
 MACROS = ("BT_SHARED", "BT_SHARED_PTR", "BT_BARRIER", "BT_GLOBAL", "BT_PRIVATE", "BT_FUNC",
@@ -180,6 +181,29 @@ def test_kernel_definitions_differ_by_vocabulary():
     Kernel("test_layer_vocab", ["inp"], ["out"], "out[0] = inp[0];")
     with pytest.raises(ValueError, match="already used"):
         Kernel("test_layer_vocab", ["inp"], ["out"], "out[0] = inp[0];", mma=True)
+
+
+def test_cuda_build_key_follows_the_source_and_every_dtype():
+    """MLX keys compiled CUDA kernels (also on disk, across processes) by name and template
+    values only; ``Kernel`` adds ``BT_BUILD`` so a changed source or dtype builds anew."""
+    key = build_key("src", [mx.float16, mx.uint32], [mx.float32])
+    assert key == build_key("src", [mx.float16, mx.uint32], [mx.float32])
+    assert 0 <= key < 2**31
+    others = {build_key("src2", [mx.float16, mx.uint32], [mx.float32]),
+              build_key("src", [mx.bfloat16, mx.uint32], [mx.float32]),
+              build_key("src", [mx.float16, mx.uint32], [mx.float16])}
+    assert key not in others and len(others) == 3
+
+
+@pytest.mark.skipif(kernel_backend.gpu_backend() is None, reason="needs a GPU")
+def test_one_kernel_serves_several_dtypes_under_one_template():
+    """No template names the dtypes here: each call still gets a binary built for its own."""
+    kernel = _kernel("test_layer_dtypes", "out[thread_rank] = bt_from_float<float>(bt_to_float(inp[thread_rank]) * 2);")
+    for dtype in (mx.float32, mx.float16, mx.bfloat16, mx.float32):
+        x = mx.arange(8).astype(dtype)
+        (out,) = kernel(inputs=[x], output_shapes=[(8,)], output_dtypes=[mx.float32], grid=(8, 1, 1),
+                        threadgroup=(8, 1, 1))
+        assert out.tolist() == [2.0 * i for i in range(8)], dtype
 
 
 def test_relative_error_and_check_result():

@@ -99,8 +99,10 @@ What MLX generates (read from MLX's custom-kernel sources, mlx 0.32):
   ``cuda::std::array<int32_t|int64_t, 10>``; dtypes map to ``float``, ``__half``,
   ``__nv_bfloat16``. MLX's own header defines the macro ``inf`` (so never use ``inf`` as a
   name); there is no ``uint`` type. It compiles with NVRTC, C++17, functions device by
-  default. The kernel is cached by name and template values only, not by input dtypes:
-  template on every dtype that can vary.
+  default. MLX keys the compiled kernel by name and template values only (in the process
+  and in its on-disk cache); ``Kernel`` adds a template value ``BT_BUILD`` digesting the
+  source and the inputs' and outputs' dtypes (``kernel.BUILD_KEY``), so never name
+  anything ``BT_BUILD``.
 - On both, ``*_shape``/``*_strides``/``*_ndim`` are passed only when the source mentions
   them; grid is the total number of threads (MLX divides by the threadgroup on CUDA).
 """

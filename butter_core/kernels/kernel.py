@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,6 +22,21 @@ _EXECUTOR: contextvars.ContextVar[Executor | None] = contextvars.ContextVar("but
 # MLX caches compiled CUDA kernels by name (and template values) for the whole
 # process, so two different sources under one name would silently share a binary.
 _DEFINED: dict[str, tuple[str, str, bool]] = {}
+
+BUILD_KEY = "BT_BUILD"
+"""The template value ``Kernel`` adds to every CUDA call: MLX keys a compiled CUDA kernel
+by its name and template values only, in the process and in its on-disk cache
+(``MLX_PTX_CACHE_DIR``, by default under the temporary directory, kept across processes),
+neither of which sees the source or the inputs' dtypes. Without this key a kernel whose
+source changed (a new butter release) would keep running the old binary from that cache,
+and a call at new input dtypes would reuse the binary built for the old ones."""
+
+
+def build_key(source: str, input_dtypes: Sequence[mx.Dtype], output_dtypes: Sequence[mx.Dtype]) -> int:
+    """``BUILD_KEY``'s value: 28 bits of a digest of the full source (header and body) and
+    the dtypes of every input and output, the parts of a build MLX's key leaves out."""
+    signature = "\n".join([source, *map(str, input_dtypes), "->", *map(str, output_dtypes)])
+    return int(hashlib.sha256(signature.encode()).hexdigest()[:7], 16)
 
 
 class KernelUnavailableError(RuntimeError):
@@ -111,7 +127,7 @@ class Kernel:
     ``BT_FUNC``). ``shared_memory`` is bytes of dynamic shared memory, which only MLX's
     CUDA kernels support. ``mma`` adds the dialect's tensor-core vocabulary to the header
     (``bt_mma_16x8x16`` and friends). Nothing is compiled until the first call; MLX then
-    compiles once per distinct ``template``.
+    compiles once per distinct ``template`` (on CUDA also per source and dtypes: ``BUILD_KEY``).
     """
 
     def __init__(
@@ -139,6 +155,7 @@ class Kernel:
         self.shared_memory = shared_memory
         self.mma = mma
         self._built: dict[Backend, Any] = {}
+        self._build_keys: dict[tuple[tuple[mx.Dtype, ...], tuple[mx.Dtype, ...]], int] = {}
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, inputs={self.input_names}, outputs={self.output_names})"
@@ -206,20 +223,32 @@ class Kernel:
             )
             return execute(Launch(build, tuple(inputs), tuple(tuple(s) for s in output_shapes), tuple(grid),
                                   tuple(threadgroup), init_value))
-        built = self._built.get(gpu_backend())  # checked when it was built
+        backend = gpu_backend()
+        built = self._built.get(backend)  # checked when it was built
         if built is None:
             built = self._build()
+        template = list(template)
+        if backend == "cuda":
+            template.append((BUILD_KEY, self._build_key(tuple(x.dtype for x in inputs), tuple(output_dtypes))))
         return built(
             inputs=list(inputs),
             output_shapes=[tuple(s) for s in output_shapes],
             output_dtypes=list(output_dtypes),
             grid=grid,
             threadgroup=threadgroup,
-            template=list(template),
+            template=template,
             init_value=init_value,
             verbose=verbose,
             stream=mx.gpu,
         )
+
+    def _build_key(self, input_dtypes: tuple[mx.Dtype, ...], output_dtypes: tuple[mx.Dtype, ...]) -> int:
+        """``build_key`` for this kernel's CUDA source, once per distinct dtypes."""
+        key = self._build_keys.get((input_dtypes, output_dtypes))
+        if key is None:
+            key = build_key(self.header("cuda") + self.source("cuda"), input_dtypes, output_dtypes)
+            self._build_keys[(input_dtypes, output_dtypes)] = key
+        return key
 
     def _check_available(self) -> None:
         reason = self.unavailable_reason()
