@@ -1,22 +1,27 @@
 """The kernel emulators run the dialect's per-backend code on the CPU: reductions, shared memory, the
-tensor-core vocabulary (Metal's shuffle emulation; on CUDA, the software stand-in for its PTX)."""
+tensor-core vocabulary (Metal's shuffle emulation; on CUDA, the software stand-in for its PTX).
+Where the machine has a GPU the same checks run on it too (on CUDA, the PTX itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from butter_core.kernels import Kernel, metal_emulator, split_k
+from butter_core.kernels import Kernel, gpu_backend, metal_emulator, split_k
 from butter_core.kernels.cuda_emulator import emulated_cuda
 from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 
 
-pytestmark = pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
-
-EMULATORS = pytest.mark.parametrize("emulated", [emulated_metal, emulated_cuda], ids=["metal", "cuda"])
+NEEDS_COMPILER = pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
+EMULATORS = pytest.mark.parametrize("emulated", [
+    pytest.param(emulated_metal, id="metal", marks=NEEDS_COMPILER),
+    pytest.param(emulated_cuda, id="cuda", marks=NEEDS_COMPILER),
+    pytest.param(contextlib.nullcontext, id="gpu", marks=pytest.mark.skipif(gpu_backend() is None, reason="no GPU")),
+])
 
 REDUCE = Kernel(
     "test_kernel_emulators_reduce",
@@ -54,6 +59,14 @@ MMA = Kernel(
   bt_mma_16x8x16(c, a, b, lane_id);
   for (int i = 0; i < 4; ++i) out[lane_id * 4 + i] = c[i];
 """,
+    mma=True,
+)
+
+TRANSPOSE = Kernel(
+    "test_kernel_emulators_transpose",
+    ["m"],
+    ["out"],
+    "out[lane_id] = bt_transpose_8x8(m[lane_id], lane_id);",
     mma=True,
 )
 
@@ -97,6 +110,19 @@ def test_emulated_tensor_core_vocabulary_is_the_documented_matrix_product(emulat
 
 
 @EMULATORS
+def test_emulated_transpose_is_the_documented_transpose(emulated):
+    """``bt_transpose_8x8`` (two shuffles and a byte permute; on a CUDA GPU ``movmatrix``):
+    lane (g, q) holds M[g][2q, 2q+1] and gets M[2q][g], M[2q+1][g]."""
+    m = np.arange(64, dtype=np.float16).reshape(8, 8) - 20
+    lanes = np.arange(32)
+    g, q = lanes // 4, lanes % 4
+    with emulated():
+        (out,) = TRANSPOSE(inputs=[mx.array(_half2(m[g, 2 * q], m[g, 2 * q + 1]))], output_shapes=[(32,)],
+                           output_dtypes=[mx.uint32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    assert np.array_equal(np.array(out), _half2(m[2 * q, g], m[2 * q + 1, g]))
+
+
+@EMULATORS
 @pytest.mark.parametrize("n_splits, dims", [(1, 32), (9, 32), (14, 64)])
 def test_emulated_split_k_merge_folds_its_parts_like_the_softmax_merge(emulated, n_splits, dims):
     """``split_k.merge_partials`` (one thread per dimension for each part: 1, 3 and 4 parts
@@ -117,6 +143,7 @@ def test_emulated_split_k_merge_folds_its_parts_like_the_softmax_merge(emulated,
     assert np.allclose(np.array(out).reshape(1, heads, dims), expected, rtol=1e-5, atol=1e-6)
 
 
+@NEEDS_COMPILER
 def test_emulator_builds_are_keyed_by_their_headers_too(tmp_path, monkeypatch):
     """The program names its headers by path; a changed header must not reuse an old build."""
     monkeypatch.setattr(metal_emulator, "butter_cache_dir", lambda: tmp_path)

@@ -97,7 +97,8 @@ def test_header_appends_kernel_helpers():
         assert kernel.header(backend) == compact(HEADER[backend] + kernel.helpers)
 
 
-MMA_FUNCTIONS = ("bt_any", "bt_shuffle_u32", "bt_half2_fma", "bt_pack_half2", "bt_byte_perm", "bt_mma_16x8x16")
+MMA_FUNCTIONS = ("bt_any", "bt_shuffle_u32", "bt_half2_fma", "bt_pack_half2", "bt_byte_perm", "bt_mma_16x8x16",
+                 "bt_transpose_8x8")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -115,6 +116,7 @@ def test_tensor_core_vocabulary_is_opt_in(backend):
 def test_cuda_tensor_core_vocabulary_is_the_documented_instruction():
     text = MMA_HEADER["cuda"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
+    assert "movmatrix.sync.aligned.m8n8.trans.b16" in text
     assert "fma.rn.f16x2" in text and "cvt.rn.f16x2.f32" in text
     assert not re.search(r"\buint\b", text) and not re.search(r"\binf\b", text)
 

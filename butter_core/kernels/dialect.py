@@ -73,6 +73,14 @@ the first, lower-index element, as CUDA's ``__half2`` and Metal's ``half2`` do.
                                           lane), written to be correct, never compiled or
                                           run here (no Apple GPU): a Metal kernel that wants
                                           speed should use ``simdgroup_matrix`` instead.
+    bt_transpose_8x8(v, lane)             the transpose of the 8x8 matrix of halves the
+                                          warp holds one half2 per lane, lane (g, q) row g,
+                                          columns 2q, 2q+1 (the layout of each register of
+                                          ``bt_mma_16x8x16``'s B operand and of each half of
+                                          its C): lane (g, q) gets M[2q][g], M[2q+1][g].
+                                          Every lane must call it. On CUDA one
+                                          ``movmatrix`` instruction; elsewhere two shuffles
+                                          and a byte permute.
 
 Inputs' address space. On Metal an input of fewer than 8 elements arrives in the
 ``constant`` address space, any other in ``device`` (below), and the two do not convert:
@@ -261,6 +269,11 @@ BT_FUNC void bt_mma_16x8x16(float* c, const uint32_t* a, const uint32_t* b, unsi
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+BT_FUNC uint32_t bt_transpose_8x8(uint32_t v, unsigned int) {
+  uint32_t d;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(v));
+  return d;
+}
 """
 """The CUDA implementation of the tensor-core vocabulary: inline PTX. Kept as one block
 so a CPU emulator of the CUDA dialect can replace it with software versions."""
@@ -316,9 +329,18 @@ BT_FUNC void bt_mma_16x8x16(BT_PRIVATE float* c, const BT_PRIVATE uint32_t* a, c
     c[3] += bt_half2_dot(a1, b10) + bt_half2_dot(a3, b11);
   }
 }
+BT_FUNC uint32_t bt_transpose_8x8(uint32_t v, unsigned int lane) {
+  // M[2q][g] and M[2q+1][g] are half g % 2 of lanes 8q + g/2 and 8q + 4 + g/2.
+  const int g = static_cast<int>(lane / 4);
+  const int q = static_cast<int>(lane % 4);
+  const uint32_t row0 = bt_shuffle_u32(v, 8 * q + g / 2);
+  const uint32_t row1 = bt_shuffle_u32(v, 8 * q + 4 + g / 2);
+  return bt_byte_perm(row0, row1, g % 2 ? 0x7632u : 0x5410u);
+}
 """
 """``bt_mma_16x8x16`` without tensor cores: each lane gathers its rows and columns through
-``bt_shuffle_u32`` and sums ``bt_half2_dot`` products in float32. Metal's vocabulary and
+``bt_shuffle_u32`` and sums ``bt_half2_dot`` products in float32; ``bt_transpose_8x8``
+through two shuffles. Metal's vocabulary and
 the CUDA emulator's (``cuda_emulator.SOFTWARE_MMA``) both end with it."""
 
 _GROUP_REDUCTIONS = """\

@@ -13,8 +13,8 @@ so the query heads of a GQA group are the MMA's N = 8 columns (a column tile of 
 GQA groups up to 8 heads and keeps no zero padding in registers: the A and C operands
 of ``mma.sync`` are quads of consecutive registers, so padded rows would cost registers
 even when they hold zeros. The price is that ``Pᵀ`` (the B operand of the second
-product) is a transpose of the score fragment: four 32-bit shuffles and two byte
-permutes per 16 keys and column tile (``mma_softmax``).
+product) is a transpose of the score fragment: two ``bt_transpose_8x8`` per 16 keys and
+column tile (``mma_softmax``; on CUDA one ``movmatrix`` each).
 
 Per lane (``g = lane / 4``, ``q = lane % 4``; ``kb`` a key block, ``nh`` a column tile,
 heads ``8 nh + 2q`` and ``8 nh + 2q + 1`` are the lane's two *state heads*):
@@ -49,8 +49,9 @@ mma=True)`` and ``split_k.SPLIT_K_HELPERS`` before it):
   (row-major, D each), times ``q_scale``, in float16; heads past ``heads`` are zero.
 - ``mma_softmax<NH, KB, DT>(s, m, l, o, pb, lane)``: one online-softmax step over ``KB``
   key blocks of scores (masked keys already ``-inf``; the first key of the first block
-  must be valid): updates the max, rescales ``l`` and ``o`` (``DT`` dimension tiles)
-  when any lane's max grew, adds ``exp2(s - m)`` to ``l`` and packs it as ``pb``.
+  must be valid): when any lane holds a score above its head's max, reduces the maxima
+  over the lanes and rescales ``l`` and ``o`` (``DT`` dimension tiles); adds ``exp2(s -
+  m)`` to ``l`` and packs it, transposed, as ``pb``.
 - ``mma_write_partials<HEADS, NH, D, WARPS>(m, l, o, lane, warp, rank, block, warp_m,
   warp_l, warp_acc, partial_acc, partial_max, partial_sum)``: after the key loop, every
   thread calls it once: it sums ``l`` over the lanes, stores each warp's state to the
@@ -99,52 +100,49 @@ BT_FUNC void mma_query_fragments(In queries, int heads, float q_scale, unsigned 
 template <int NH, int KB, int DT>
 BT_FUNC void mma_softmax(BT_PRIVATE float* s, BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* o,
                          BT_PRIVATE uint32_t* pb, unsigned int lane) {
-  const int g = lane / 4;
-  const int q = lane % 4;
-  // Column (head) maxima: this lane's keys, then the 8 lanes of its q.
-  bool grew = false;
-  float m_new[NH * 2];
+  // Whether any score of the step is above its head's running max, in any lane: rare
+  // once the stream is warm, and only then are the heads' maxima reduced over the lanes
+  // and what was summed so far rescaled (by 1 exactly for a head whose max held).
+  bool above = false;
 #pragma unroll
-  for (int nh = 0; nh < NH; ++nh) {
+  for (int kb = 0; kb < KB; ++kb) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float x = m[nh * 2 + e];
-#pragma unroll
-      for (int kb = 0; kb < KB; ++kb) {
-        const float a = s[(kb * NH + nh) * 4 + e];
-        const float b = s[(kb * NH + nh) * 4 + 2 + e];
-        x = a > x ? a : x;
-        x = b > x ? b : x;
-      }
-#pragma unroll
-      for (int offset = 4; offset < BT_WARP_SIZE; offset *= 2) {
-        const float other = bt_shuffle_xor(x, offset);
-        x = other > x ? other : x;
-      }
-      grew = grew || x > m[nh * 2 + e];
-      m_new[nh * 2 + e] = x;
+    for (int i = 0; i < NH * 4; ++i) {
+      above = above || s[kb * NH * 4 + i] > m[(i / 4) * 2 + i % 2];
     }
   }
-  if (bt_any(grew)) {  // rare once the stream is warm: rescale what was summed so far
+  if (bt_any(above)) {
 #pragma unroll
-    for (int i = 0; i < NH * 2; ++i) {
-      const float correction = bt_exp2(m[i] - m_new[i]);  // 0 while m was -inf
-      l[i] *= correction;
-      const int nh = i / 2;
-      const int e = i % 2;
+    for (int nh = 0; nh < NH; ++nh) {
 #pragma unroll
-      for (int t = 0; t < DT; ++t) {
-        o[(t * NH + nh) * 4 + e] *= correction;
-        o[(t * NH + nh) * 4 + 2 + e] *= correction;
+      for (int e = 0; e < 2; ++e) {
+        // Column (head) maxima: this lane's keys, then the 8 lanes of its q.
+        float x = m[nh * 2 + e];
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+          const float a = s[(kb * NH + nh) * 4 + e];
+          const float b = s[(kb * NH + nh) * 4 + 2 + e];
+          x = a > x ? a : x;
+          x = b > x ? b : x;
+        }
+#pragma unroll
+        for (int offset = 4; offset < BT_WARP_SIZE; offset *= 2) {
+          const float other = bt_shuffle_xor(x, offset);
+          x = other > x ? other : x;
+        }
+        const float correction = bt_exp2(m[nh * 2 + e] - x);  // 0 while m was -inf
+        l[nh * 2 + e] *= correction;
+#pragma unroll
+        for (int t = 0; t < DT; ++t) {
+          o[(t * NH + nh) * 4 + e] *= correction;
+          o[(t * NH + nh) * 4 + 2 + e] *= correction;
+        }
+        m[nh * 2 + e] = x;
       }
-      m[i] = m_new[i];
     }
   }
   // Probabilities, their sums, and Pᵀ: lane (g, q) needs P[key 2q (+1, +8, +9)][head g],
-  // held by lanes (2q, g/2) and (2q+1, g/2) as half g%2 of their packed pairs.
-  const int src0 = 8 * q + g / 2;
-  const int src1 = src0 + 4;
-  const uint32_t select = (g % 2) ? 0x7632u : 0x5410u;
+  // the transpose of the packed pairs (key g | g + 8, heads 2q, 2q+1) the lanes hold.
 #pragma unroll
   for (int kb = 0; kb < KB; ++kb) {
 #pragma unroll
@@ -155,14 +153,8 @@ BT_FUNC void mma_softmax(BT_PRIVATE float* s, BT_PRIVATE float* m, BT_PRIVATE fl
         p[i] = bt_exp2(s[(kb * NH + nh) * 4 + i] - m[nh * 2 + i % 2]);
         l[nh * 2 + i % 2] += p[i];
       }
-      const uint32_t upper = bt_pack_half2(p[0], p[1]);  // key g, state heads 0, 1
-      const uint32_t lower = bt_pack_half2(p[2], p[3]);  // key g + 8
-      const uint32_t upper0 = bt_shuffle_u32(upper, src0);
-      const uint32_t upper1 = bt_shuffle_u32(upper, src1);
-      const uint32_t lower0 = bt_shuffle_u32(lower, src0);
-      const uint32_t lower1 = bt_shuffle_u32(lower, src1);
-      pb[(kb * NH + nh) * 2] = bt_byte_perm(upper0, upper1, select);
-      pb[(kb * NH + nh) * 2 + 1] = bt_byte_perm(lower0, lower1, select);
+      pb[(kb * NH + nh) * 2] = bt_transpose_8x8(bt_pack_half2(p[0], p[1]), lane);      // key g
+      pb[(kb * NH + nh) * 2 + 1] = bt_transpose_8x8(bt_pack_half2(p[2], p[3]), lane);  // key g + 8
     }
   }
 }

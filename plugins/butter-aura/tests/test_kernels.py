@@ -129,12 +129,23 @@ GPUS = {
 def test_tensor_core_launch_is_at_most_one_wave(length, blocks_per_split, gpu):
     shape = GPUS[gpu]
     warps = attention_mma.WARPS
-    resident = shape.multiprocessors * attention_mma.blocks_per_sm(attention_mma.shared_bytes(warps, 4, 128), warps,
-                                                                  shape)
+    shared = attention_mma.shared_bytes(warps, 4, 128, attention_mma.aligned_tables(warps, 4, 128, shape))
+    resident = shape.multiprocessors * attention_mma.blocks_per_sm(shared, warps, shape)
     splits = attention_mma.num_splits(length, blocks_per_split, resident, attention_mma.MIN_KEYS_PER_SPLIT)
     assert splits >= 1
     assert splits == 1 or splits * blocks_per_split <= resident
     assert splits <= -(-length // attention_mma.MIN_KEYS_PER_SPLIT)
+
+
+def test_tables_align_where_it_costs_no_threadgroup():
+    """The tables start at a 64 KB boundary (each look-up's address one byte permute) where
+    the room for it keeps as many threadgroups per multiprocessor: twelve warps on an H200
+    or an A100; not an RTX 4090 (100 KB of shared memory), nor four warps (three per H200
+    multiprocessor with 64 KB of tables, one with 128 KB)."""
+    aligned = {(gpu, warps): attention_mma.aligned_tables(warps, 4, 128, shape)
+               for gpu, shape in GPUS.items() for warps in (attention_mma.WARPS, 4)}
+    assert aligned == {("H200", 12): True, ("A100", 12): True, ("RTX 4090", 12): False,
+                       ("H200", 4): False, ("A100", 4): False, ("RTX 4090", 4): False}
 
 
 @pytest.mark.parametrize("gpu", GPUS)
@@ -192,7 +203,7 @@ def test_traced_decode_serves_every_step_from_one_trace(key_bits, value_bits, dt
 
 
 @pytest.mark.parametrize(("capability", "partials"), [((7, 5), "butter_aura_decode_partials"),
-                                                      ((9, 0), "butter_aura_decode_mma_partials_65536")])
+                                                      ((9, 0), "butter_aura_decode_mma_partials_131072")])
 def test_decode_takes_the_simt_kernel_on_gpus_without_tensor_cores(monkeypatch, capability, partials):
     """On a CUDA device below compute capability 8.0 (T4, RTX 20xx: MLX's CUDA wheels run
     there) the tensor-core kernel cannot compile, so decode goes to the SIMT kernel. The

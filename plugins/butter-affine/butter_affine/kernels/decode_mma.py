@@ -46,7 +46,11 @@ affine8 0.589x (74-77 µs); five later runs of the same measurement 0.488-0.512x
 length and scale in device memory (``kernel_params``, 2026-12-01; before, every warp read
 them from host memory), two runs in alternating processes gave affine4 0.482x and 0.486x
 against 0.499x and 0.518x before, and affine8 0.575x / 0.574x against 0.588x / 0.606x.
-Chained like a decode step's layers, 0.64-0.66x / 0.70-0.71x. At 4k and 32k it takes
+Chained like a decode step's layers, 0.64-0.66x / 0.70-0.71x. GPU time alone (the
+kernels' own stamps, ``bench/gpu_timeline.py``, 2026-12-02): affine4 0.516-0.524x raw's
+chained and 0.402x independent, against 0.531-0.535x and 0.418x before ``mma_softmax``
+skipped its lanes' max reduction in steps where no maximum grows and transposed Pᵀ by
+``movmatrix`` (alternating processes, docs/benchmarks.md). At 4k and 32k it takes
 0.79-1.16x raw SDPA's time (per-call costs dominate there). The float32 ``decode`` takes
 157 µs at 128k. The partials kernel is the whole cost: with the merge kernel left out the
 call takes 63.5 against 63.7 µs (the merge, 6.3 µs alone, overlaps the next call's

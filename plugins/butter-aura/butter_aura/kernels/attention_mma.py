@@ -23,12 +23,13 @@ float16 inputs, float32 sums), in the transposed layout of ``butter_core.kernels
   4-bit codes at D = 128) — and pair ``r`` of that run (``AuraKeyPerm``: coordinates
   ``2r, 2r + 1``, one byte of 4-bit codes) goes where the MMA wants pair ``r``.
 * **Online softmax** on the C fragment, in log2 units: lane ``(g, t)`` holds the scores
-  of keys ``g``, ``g + 8`` for heads ``2t``, ``2t + 1``; a head's maximum is reduced over
-  the 8 lanes of a ``t`` (three shuffles per head and step); the accumulators are
-  rescaled only when some head's maximum grew (a warp vote).
+  of keys ``g``, ``g + 8`` for heads ``2t``, ``2t + 1``. Only in a step where some lane
+  holds a score above its head's running maximum (a warp vote; rare once the stream is
+  warm) are the maxima reduced over the 8 lanes of a ``t`` (three shuffles per head) and
+  the accumulators rescaled.
 * **Values.** ``P' = p · (the key's value scale)``, rounded to float16, is the second
-  product's B operand (a transpose of the score fragment: four shuffles and two byte
-  permutes per block), so values need no per-element scale. A is the values' levels:
+  product's B operand (a transpose of the score fragment: ``bt_transpose_8x8``, one
+  ``movmatrix`` per 8 keys), so values need no per-element scale. A is the values' levels:
   lane ``(g, t)`` reads coordinates ``[g D/8, (g+1) D/8)`` of keys ``2t, 2t+1, 2t+8,
   2t+9``; an A register holds one coordinate of two keys. For 2- and 4-bit codes the
   two keys' code bytes are first interleaved nibble by nibble (two LOP3 per word), so
@@ -42,8 +43,14 @@ float16 inputs, float32 sums), in the transposed layout of ``butter_core.kernels
   bytes, then 32 copies of the value table's 4 bytes (16 of its 8 bytes for 2-bit
   codes). Lane ``l`` reads copy ``l`` (``l % 16``), so the warp's 32 data-dependent
   look-ups fall in 32 distinct banks, and a look-up's address is ``e << 8`` plus the
-  copy's offset: one byte permute of the code word (``aura_lut_offset``) plus the
-  table's base. Built once per threadgroup from the codebooks (16-byte stores).
+  copy's offset plus the tables' address: one byte permute of the code word and the
+  lane's copy word (``aura_lut_address``). Where the launch can leave room for it
+  without losing a threadgroup per multiprocessor (``aligned_tables``: twelve warps on
+  an H200 or an A100) the tables start at a 64 KB boundary of the shared window, whose
+  bits 16-31 ride in the copy word, so the permute is the whole address; otherwise the
+  tables' address is added to it (H200, 128k, chained, 2026-12-02: aura4v2 0.394x raw
+  SDPA's GPU time aligned against 0.413x, aura4v4 0.457x against 0.476x). Built once per
+  threadgroup from the codebooks (16-byte stores).
 
 A warp takes ``BLOCKS`` blocks per step (default 2: more loads in flight, one softmax
 reduction per 32 keys); the next step's key codes, scales and value codes are loaded as
@@ -103,17 +110,17 @@ LUT_BYTES = 256 * 256
 copies of the value table's 4 bytes or 16 of its 8 bytes)."""
 MAX_HEADS_PER_BLOCK = 8
 """Query heads one threadgroup serves: the 8 columns of the value MMA."""
-MIN_KEYS_PER_SPLIT = 256
-"""Keys per split at least, chosen on *chained* calls (each call's query the previous
-call's output), as a decode step's layers run. Each threadgroup first builds 64 KB of
-look-up tables, so among independent calls, which overlap on the GPU, long splits were
-cheaper (2048 was the default: H200, aura4v2, 4k 34.3 against 43.0 µs with 128, 32k
-50.7 against 59.6; 2026-11-30); but a chained call at 4k then ran 16 threadgroups of 2048
-keys each and took 1.9-2.0x raw SDPA's chained time. Side by side, chained, 5 rounds
-(H200, 2026-12-01; 128 / 256 / 512 / 1024 / 2048 keys): 4k 66.2 / **64.4** / 68.0 / 75.9 /
-86.4 µs (raw 42.8), 32k 73.2 / **72.7** / 72.5 / 72.9 / 80.1 (raw 55.5); independent, 256
-against 2048 costs 38.3 against 35.7 µs at 4k and 53.5 against 45.7 at 32k. At 128k the
-one-wave cap decides the split count for every value from 128 to 2048."""
+MIN_KEYS_PER_SPLIT = 384
+"""Keys per split at least: one twelve-warp step (12 x 32 keys), so in the short splits
+of a short context no warp is left without keys. Chosen on *chained* calls (each call's
+query the previous call's output), as a decode step's layers run. H200, aura4v2, GPU
+time by the kernels' own stamps, 3 rounds (2026-12-02): chained 4k 15.9 µs against 16.0
+with 256 (128: 16.0, 512: 16.9, 768: 17.1), independent 8.2 against 10.3; at 32k and
+128k every value from 128 to 768 took the same (25.2 and 53.1-53.3 µs chained). Each
+threadgroup first builds 64 KB of look-up tables, so among independent calls, which
+overlap on the GPU, long splits are cheaper (768: 6.0 µs at 4k), but a chained call at
+4k with 2048 keys per split (the default until 2026-12-01) ran 16 threadgroups and took
+1.9-2.0x raw SDPA's chained time. At 128k the one-wave cap decides the split count."""
 REGISTERS = 168
 """Registers per thread the launch is planned with: nvcc reports 128-168 for these builds."""
 RESERVED_SHARED = 1024
@@ -122,9 +129,21 @@ STATIC_SHARED = 2 * 256 * 4 + MAX_HEADS_PER_BLOCK * 128 * 4
 """The kernel's static shared arrays at most (two codebooks, the rotated queries)."""
 
 
-def shared_bytes(warps: int, heads: int, dims: int) -> int:
-    """Dynamic shared memory: the tables, reused after the loop for the warps' states."""
-    return max(LUT_BYTES, warps * heads * (dims + 2) * 4)
+def shared_bytes(warps: int, heads: int, dims: int, aligned: bool) -> int:
+    """Dynamic shared memory: the tables (``aligned``: with room to start them at the next
+    64 KB boundary of the shared window), reused after the loop for the warps' states."""
+    return max(2 * LUT_BYTES if aligned else LUT_BYTES, warps * heads * (dims + 2) * 4)
+
+
+def aligned_tables(warps: int, heads: int, dims: int, shape: GpuShape) -> bool:
+    """Whether the tables start at a 64 KB boundary of the shared window (``ALIGNED``: a
+    look-up's address is then one byte permute, with no base to add): wherever the room
+    for it costs no threadgroup per multiprocessor. Twelve warps on an H200 or an A100,
+    one threadgroup per multiprocessor either way: yes; four warps (three per H200
+    multiprocessor otherwise) or an RTX 4090 (100 KB of shared memory): no."""
+    plain, aligned = shared_bytes(warps, heads, dims, False), shared_bytes(warps, heads, dims, True)
+    fits = aligned + STATIC_SHARED + RESERVED_SHARED <= shape.shared_per_multiprocessor
+    return fits and blocks_per_sm(aligned, warps, shape) == blocks_per_sm(plain, warps, shape)
 
 
 def blocks_per_sm(shared: int, warps: int, shape: GpuShape) -> int:
@@ -156,7 +175,7 @@ def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int)
 
 _BODY = """
   // Template: T (query dtype), D, KB, VB (code bits), HEADS, WARPS, BLOCKS (16-key blocks per warp step),
-  // READ_ONLY, AHEAD (value codes loaded a step ahead, into a second buffer).
+  // READ_ONLY, AHEAD (value codes loaded a step ahead, into a second buffer), ALIGNED (below).
   // params: [live, sinks, ring, recent_lo, recent_hi]. Scales are float16.
   constexpr int THREADS = WARPS * BT_WARP_SIZE;
   constexpr int KSTEPS = D / 16;            // k-steps of the score MMA
@@ -176,8 +195,6 @@ _BODY = """
   const int allocated = key_codes_shape[2];
   const int g = lane_id / 4;
   const int t = lane_id % 4;
-  const uint32_t k_copy = lane_id * 4;                         // byte offset of this lane's copies
-  const uint32_t v_copy = VB == 2 ? (lane_id % 16) * 8 : lane_id * 4;
 
   const int64_t rows = static_cast<int64_t>(block.batch_kv_head) * allocated;
   const unsigned char* k_base = reinterpret_cast<const unsigned char*>(key_codes) + rows * KWB + t * KLB;
@@ -256,11 +273,23 @@ _BODY = """
   // The look-up tables: 256 entries of 256 bytes in dynamic shared memory. Entry e holds
   // 32 copies of the key table's 32-bit value at bytes [0, 128) and the value table's
   // copies at [128, 256) (32 of 32 bits, or 16 of 64 bits for 2-bit codes); lane l reads
-  // copy l (l % 16), so its byte address is one byte permute of the code word:
-  // e << 8 | its copy's offset (aura_lut_offset). After the loop the same memory holds
+  // copy l (l % 16), so its byte address is one byte permute of the code word and its copy
+  // word, e << 8 | the copy's offset (aura_lut_address), plus the tables' address. ALIGNED:
+  // the tables start at the next 64 KB boundary of the shared window (the launch leaves
+  // room) and their address rides in bits 16-31 of the copy word, so the permute makes the
+  // whole address; otherwise each look-up adds it. After the loop the same memory holds
   // the warps' states.
-  BT_DYNAMIC_SHARED(uint4, aura_lut);
-  const char* lut = reinterpret_cast<const char*>(aura_lut);
+  BT_DYNAMIC_SHARED(uint4, aura_dynamic);
+#ifdef __CUDA_ARCH__
+  const uint32_t dynamic_at = static_cast<uint32_t>(__cvta_generic_to_shared(aura_dynamic));
+#else
+  const uint32_t dynamic_at = 0;  // an emulator's shared memory: its window starts here
+#endif
+  const uint32_t table = ALIGNED ? (dynamic_at + 0xFFFFu) & ~0xFFFFu : dynamic_at;
+  const uint32_t table_high = ALIGNED ? table : 0u;  // in every copy's offset, bits 16-31
+  const uint32_t table_base = ALIGNED ? 0u : table;  // added to every look-up's address
+  uint4* aura_lut = aura_dynamic + (table - dynamic_at) / 16;
+  const char* window = reinterpret_cast<const char*>(aura_dynamic);  // shared address 0 where emulated
   BT_SHARED float k_lv[256];
   BT_SHARED float v_lv[256];
   alignas(16) BT_SHARED float q_rot[HEADS * D];  // 16-byte loads in mma_query_fragments
@@ -297,6 +326,9 @@ _BODY = """
   const float q_scale = scale[0] * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
   uint32_t qb[KSTEPS * 2];
   // (q_rot and the tables are complete here: aura_fwht_shared ends with a barrier.)
+  // This lane's copies: the tables' address with the copy's byte offset in bits 0-7.
+  const uint32_t k_copy = table_high | (lane_id * 4);
+  const uint32_t v_copy = table_high | (128 + (VB == 2 ? (lane_id % 16) * 8 : lane_id * 4));
   mma_query_fragments<AuraKeyPerm, 1, D>(q_rot, HEADS, q_scale, lane_id, qb);
 
   // Online-softmax state of heads 2t and 2t+1 (the same in the 8 lanes of a t).
@@ -308,9 +340,6 @@ _BODY = """
   for (int i = 0; i < MT * 4; ++i) {
     o[i] = 0.0f;
   }
-  // The transposition of P' (see below): this lane's sources and which half it takes.
-  const int src0 = 8 * t + g / 2;
-  const uint32_t half_sel = g % 2 ? 0x7632u : 0x5410u;
 
   // The loop bound is uniform across the warp: every lane reaches the MMAs and shuffles.
   for (; base < block.end; base += STEP) {
@@ -332,13 +361,13 @@ _BODY = """
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if constexpr (KB == 4) {
-            a[h] = aura_lut_u32(lut, kc[b][h], 2 * j, k_copy);
-            a[h + 2] = aura_lut_u32(lut, kc[b][h], 2 * j + 1, k_copy);
+            a[h] = aura_lut_u32(window, kc[b][h], 2 * j, k_copy, table_base);
+            a[h + 2] = aura_lut_u32(window, kc[b][h], 2 * j + 1, k_copy, table_base);
           } else {
-            a[h] = bt_byte_perm(aura_lut_u32(lut, kc[b][h], 4 * j, k_copy),
-                                aura_lut_u32(lut, kc[b][h], 4 * j + 1, k_copy), 0x5410u);
-            a[h + 2] = bt_byte_perm(aura_lut_u32(lut, kc[b][h], 4 * j + 2, k_copy),
-                                    aura_lut_u32(lut, kc[b][h], 4 * j + 3, k_copy), 0x5410u);
+            a[h] = bt_byte_perm(aura_lut_u32(window, kc[b][h], 4 * j, k_copy, table_base),
+                                aura_lut_u32(window, kc[b][h], 4 * j + 1, k_copy, table_base), 0x5410u);
+            a[h + 2] = bt_byte_perm(aura_lut_u32(window, kc[b][h], 4 * j + 2, k_copy, table_base),
+                                    aura_lut_u32(window, kc[b][h], 4 * j + 3, k_copy, table_base), 0x5410u);
           }
         }
         bt_mma_16x8x16(j % 2 ? s_odd[b] : s[b], a, qb + 2 * j, lane_id);
@@ -381,36 +410,33 @@ _BODY = """
       }
     }
 
-    // Online softmax per head (column): max over the step's keys in the 8 lanes of a t,
-    // rescale what was summed so far when some head's max grew.
-    float p[BLOCKS][4];
-    float correction[2];
-    bool grew = false;
+    // Online softmax per head (column). Only when some lane holds a score above its
+    // head's max (rare once the stream is warm) are the maxima reduced over the 8 lanes of
+    // a t and what was summed so far rescaled (by 1 exactly for a head whose max held).
+    bool above = false;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      float step_max = BT_NEG_INF;
+    for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) {
-        step_max = fmaxf(step_max, fmaxf(s[b][c], s[b][c + 2]));
+      for (int i = 0; i < 4; ++i) {
+        above = above || s[b][i] > m[i % 2];
       }
-      step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 4));
-      step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 8));
-      step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 16));
-      const bool up = step_max > m[c];
-      const float m_new = up ? step_max : m[c];
-      correction[c] = up ? aura_exp2(m[c] - m_new) : 1.0f;
-      float sum = 0.0f;
-#pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) {
-        p[b][c] = s[b][c] == BT_NEG_INF ? 0.0f : aura_exp2(s[b][c] - m_new);
-        p[b][c + 2] = s[b][c + 2] == BT_NEG_INF ? 0.0f : aura_exp2(s[b][c + 2] - m_new);
-        sum += p[b][c] + p[b][c + 2];
-      }
-      l[c] = l[c] * correction[c] + sum;
-      m[c] = m_new;
-      grew = grew || up;
     }
-    if (bt_any(grew)) {
+    if (bt_any(above)) {
+      float correction[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float step_max = m[c];
+#pragma unroll
+        for (int b = 0; b < BLOCKS; ++b) {
+          step_max = fmaxf(step_max, fmaxf(s[b][c], s[b][c + 2]));
+        }
+        step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 4));
+        step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 8));
+        step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 16));
+        correction[c] = step_max > m[c] ? aura_exp2(m[c] - step_max) : 1.0f;
+        l[c] *= correction[c];
+        m[c] = step_max;
+      }
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
         o[4 * j] *= correction[0];
@@ -419,17 +445,24 @@ _BODY = """
         o[4 * j + 3] *= correction[1];
       }
     }
+    float p[BLOCKS][4];
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        p[b][i] = s[b][i] == BT_NEG_INF ? 0.0f : aura_exp2(s[b][i] - m[i % 2]);
+        l[i % 2] += p[b][i];
+      }
+    }
 
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
       // P' = p * value scale in float16, transposed to the value MMA's B fragment (keys
-      // 2t', 2t'+1 | 2t'+8, 2t'+9 of head g'): lane (g', t') takes half g' % 2 of lanes
-      // (2t', g'/2) and (2t'+1, g'/2)'s packs (key g, heads 2t, 2t+1 | key g + 8).
-      const uint32_t pk0 = bt_pack_half2(p[b][0] * vscale[b][0], p[b][1] * vscale[b][0]);
-      const uint32_t pk1 = bt_pack_half2(p[b][2] * vscale[b][1], p[b][3] * vscale[b][1]);
+      // 2t', 2t'+1 | 2t'+8, 2t'+9 of head g') from this lane's packs (key g | g + 8,
+      // heads 2t, 2t+1).
       uint32_t pb[2];
-      pb[0] = bt_byte_perm(bt_shuffle_u32(pk0, src0), bt_shuffle_u32(pk0, src0 + 4), half_sel);
-      pb[1] = bt_byte_perm(bt_shuffle_u32(pk1, src0), bt_shuffle_u32(pk1, src0 + 4), half_sel);
+      pb[0] = bt_transpose_8x8(bt_pack_half2(p[b][0] * vscale[b][0], p[b][1] * vscale[b][0]), lane_id);
+      pb[1] = bt_transpose_8x8(bt_pack_half2(p[b][2] * vscale[b][1], p[b][3] * vscale[b][1]), lane_id);
 
       // O^T += V_levels^T P'^T. m-tile j: row g -> coordinate g D/8 + 2j, row g+8 -> + 2j + 1;
       // A: a[0] = row g, keys 2t, 2t+1; a[1] = row g+8, same keys; a[2], a[3]: keys 2t+8, 2t+9.
@@ -453,19 +486,19 @@ _BODY = """
         for (int pair = 0; pair < 2; ++pair) {
           if constexpr (VB == 2) {
             // byte j / 2 of the low (j even) or high (j odd) nibbles: coordinates 2j, 2j + 1.
-            const uint2 e = aura_lut_u64(lut + 128, z[pair][j % 2], j / 2, v_copy);
+            const uint2 e = aura_lut_u64(window, z[pair][j % 2], j / 2, v_copy, table_base);
             a[2 * pair] = e.x;
             a[2 * pair + 1] = e.y;
           } else if constexpr (VB == 4) {
-            a[2 * pair] = aura_lut_u32(lut + 128, z[pair][0], j, v_copy);
-            a[2 * pair + 1] = aura_lut_u32(lut + 128, z[pair][1], j, v_copy);
+            a[2 * pair] = aura_lut_u32(window, z[pair][0], j, v_copy, table_base);
+            a[2 * pair + 1] = aura_lut_u32(window, z[pair][1], j, v_copy, table_base);
           } else {
             const uint32_t* x = vc[b][2 * pair];
             const uint32_t* y = vc[b][2 * pair + 1];
-            a[2 * pair] = bt_byte_perm(aura_lut_u32(lut + 128, x, 2 * j, v_copy),
-                                       aura_lut_u32(lut + 128, y, 2 * j, v_copy), 0x5410u);
-            a[2 * pair + 1] = bt_byte_perm(aura_lut_u32(lut + 128, x, 2 * j + 1, v_copy),
-                                           aura_lut_u32(lut + 128, y, 2 * j + 1, v_copy), 0x5410u);
+            a[2 * pair] = bt_byte_perm(aura_lut_u32(window, x, 2 * j, v_copy, table_base),
+                                       aura_lut_u32(window, y, 2 * j, v_copy, table_base), 0x5410u);
+            a[2 * pair + 1] = bt_byte_perm(aura_lut_u32(window, x, 2 * j + 1, v_copy, table_base),
+                                           aura_lut_u32(window, y, 2 * j + 1, v_copy, table_base), 0x5410u);
           }
         }
         bt_mma_16x8x16(o + 4 * j, a, pb, lane_id);
@@ -520,17 +553,31 @@ BT_FUNC void aura_load_bytes(const unsigned char* src, uint32_t* dst) {
   }
 }
 
-// A look-up table's value for byte n of `words`, from the copy at byte offset `copy`
-// (< 128) of 256-byte entries: the address is byte n in bits 8-15, the copy's offset in
-// bits 0-7 — one byte permute (n must be a compile-time constant after unrolling).
-BT_FUNC uint32_t aura_lut_offset(const uint32_t* words, int n, uint32_t copy) {
-  return bt_byte_perm(words[n >> 2], copy, 0x5504u | static_cast<uint32_t>((n & 3) << 4));
+// A look-up table's value for byte n of `words` (n a compile-time constant after
+// unrolling), at shared address `base` + `copy` with the code byte in bits 8-15: one byte
+// permute of the code word and `copy` (the copy's byte offset in bits 0-7, and with
+// ALIGNED the tables' address in bits 16-31, `base` then 0). On CUDA a shared-memory load
+// of that address; elsewhere the same address from `window`, the emulated shared memory.
+BT_FUNC uint32_t aura_lut_address(const uint32_t* words, int n, uint32_t copy, uint32_t base) {
+  return bt_byte_perm(words[n >> 2], copy, 0x7604u | static_cast<uint32_t>((n & 3) << 4)) + base;
 }
-BT_FUNC uint32_t aura_lut_u32(const char* lut, const uint32_t* words, int n, uint32_t copy) {
-  return *reinterpret_cast<const uint32_t*>(lut + aura_lut_offset(words, n, copy));
+BT_FUNC uint32_t aura_lut_u32(const char* window, const uint32_t* words, int n, uint32_t copy, uint32_t base) {
+#ifdef __CUDA_ARCH__
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(aura_lut_address(words, n, copy, base)));
+  return v;
+#else
+  return *reinterpret_cast<const uint32_t*>(window + aura_lut_address(words, n, copy, base));
+#endif
 }
-BT_FUNC uint2 aura_lut_u64(const char* lut, const uint32_t* words, int n, uint32_t copy) {
-  return *reinterpret_cast<const uint2*>(lut + aura_lut_offset(words, n, copy));
+BT_FUNC uint2 aura_lut_u64(const char* window, const uint32_t* words, int n, uint32_t copy, uint32_t base) {
+#ifdef __CUDA_ARCH__
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(aura_lut_address(words, n, copy, base)));
+  return v;
+#else
+  return *reinterpret_cast<const uint2*>(window + aura_lut_address(words, n, copy, base));
+#endif
 }
 
 // Entry e of a 32-bit look-up table: a byte's two 4-bit codes as half2 (lower code in the
@@ -615,19 +662,23 @@ def partials(
     read_only: bool | None = None,
     ahead: bool | None = None,
     per_sm: int | None = None,
+    aligned: bool | None = None,
     splits: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
     slots; ``splits`` forces the split count (tests), else ``num_splits`` for at most
-    ``per_sm`` threadgroups per multiprocessor (default: as many as fit)."""
+    ``per_sm`` threadgroups per multiprocessor (default: as many as fit); ``aligned``
+    forces the tables' layout (default: ``aligned_tables``)."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = stored.key_codes.shape[1]
     kc, vc = stored.key_codec, stored.value_codec
     heads = split_k.heads_per_block(q_heads // kv_heads, MAX_HEADS_PER_BLOCK)
-    shared = shared_bytes(warps, heads, dims)
+    shape = gpu_shape()
+    if aligned is None:
+        aligned = aligned_tables(warps, heads, dims, shape)
+    shared = shared_bytes(warps, heads, dims, aligned)
     blocks_per_split = batch * q_heads // heads
     if splits is None:
-        shape = gpu_shape()
         resident = blocks_per_sm(shared, warps, shape)
         if per_sm is not None:
             resident = min(per_sm, resident)
@@ -648,7 +699,7 @@ def partials(
             ("T", queries.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits), ("HEADS", launch.heads),
             ("WARPS", warps), ("BLOCKS", blocks),
             ("READ_ONLY", READ_ONLY_LOADS if read_only is None else read_only),
-            ("AHEAD", default_ahead(kc.bits, vc.bits, dims) if ahead is None else ahead),
+            ("AHEAD", default_ahead(kc.bits, vc.bits, dims) if ahead is None else ahead), ("ALIGNED", aligned),
         ],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
