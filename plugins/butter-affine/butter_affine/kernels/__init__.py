@@ -157,6 +157,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
             {"bits": 8, "head_dim": 256, "q_heads": 16, "kv_heads": 2, "length": 100, "allocated": 128,
              "dtype": mx.float16},
             {"length": 10, "allocated": 64, "splits": 8},
+            {"q_heads": 8, "kv_heads": 2, "length": 1601, "allocated": 1664, "splits": 1},  # LONG_KEY_BLOCKS
             {"bits": 8, "group_size": 64, "head_dim": 64, "q_heads": 4, "kv_heads": 4, "length": 33,
              "allocated": 48, "splits": 6},
             {"head_dim": 64, "q_heads": 32, "kv_heads": 8, "length": 5000, "allocated": 6000, "batch": 2,

@@ -50,7 +50,8 @@ Chained like a decode step's layers, 0.64-0.66x / 0.70-0.71x. GPU time alone (th
 kernels' own stamps, ``bench/gpu_timeline.py``, 2026-12-02): affine4 0.516-0.524x raw's
 chained and 0.402x independent, against 0.531-0.535x and 0.418x before ``mma_softmax``
 skipped its lanes' max reduction in steps where no maximum grows and transposed Pᵀ by
-``movmatrix`` (alternating processes, docs/benchmarks.md). At 4k and 32k it takes
+``movmatrix`` (alternating processes, docs/benchmarks.md); with ``LONG_KEY_BLOCKS`` from 64k,
+0.479x chained and 0.434x independent. At 4k and 32k it takes
 0.79-1.16x raw SDPA's time (per-call costs dominate there). The float32 ``decode`` takes
 157 µs at 128k. The partials kernel is the whole cost: with the merge kernel left out the
 call takes 63.5 against 63.7 µs (the merge, 6.3 µs alone, overlaps the next call's
@@ -96,7 +97,20 @@ SUPPORTED_DTYPES = (mx.float16, mx.bfloat16)
 # Launch shape; the bench retimes alternatives (module attributes, read per call).
 WARPS = 4
 KEY_BLOCKS = 2
-"""Blocks of 16 keys a warp takes per step of its loop."""
+"""Blocks of 16 keys a warp takes per step of its loop (but see ``LONG_KEY_BLOCKS``)."""
+LONG_KEY_BLOCKS = {4: 3}
+"""``KEY_BLOCKS`` by code bits where each warp walks at least ``LONG_RUN`` keys: fewer,
+longer steps (one softmax step per 48 keys) for 170 registers instead of 147 (4 bits,
+nvcc 13.0, sm_90a). H200, GPU time by the kernels' own stamps, ratio to raw SDPA, 3 rounds
+(2026-12-02): affine4 chained, as a decode step's layers run, 0.499x against 0.518x at 64k,
+0.474x / 0.488x against 0.514x / 0.527x at 128k (two runs), 0.470x against 0.515x at 256k,
+equal at 32k (0.553x / 0.547x); independent calls, which overlap on the GPU, lose (128k
+0.440x against 0.401x; 32k 0.547x against 0.479x), so short runs keep two blocks.
+affine8 with three blocks (238 registers) was slower in both modes (128k chained 0.623x
+against 0.593x)."""
+LONG_RUN = 384
+"""Keys per warp (planned keys / splits / ``WARPS``) from which ``LONG_KEY_BLOCKS`` apply:
+64k and longer contexts at the default launch on an H200 (496 at 64k, 248 at 32k)."""
 PREFETCH = False
 """Load a step's keys during the previous step's softmax and value product (its values
 are always loaded at the top of the step, ahead of its score product); without it, both
@@ -387,11 +401,14 @@ def partials(
         max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
         splits=splits,
     )
+    planned = planned_length or key_codes.shape[2]
+    long_run = planned // (launch.n_splits * WARPS) >= LONG_RUN
+    key_blocks = LONG_KEY_BLOCKS.get(fmt.bits, KEY_BLOCKS) if long_run else KEY_BLOCKS
     acc, maxes, sums = _PARTIALS(
         inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases, live, scale],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
-                  ("KB", KEY_BLOCKS), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS[fmt.bits]), ("READ_ONLY", READ_ONLY_LOADS)],
+                  ("KB", key_blocks), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS[fmt.bits]), ("READ_ONLY", READ_ONLY_LOADS)],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
         output_shapes=launch.output_shapes,
