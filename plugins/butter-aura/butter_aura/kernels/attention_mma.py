@@ -73,6 +73,8 @@ error 3.9e-4 to 5.0e-4 for float16 outputs, 1.1e-3 to 1.3e-3 for bfloat16 ones.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from butter_core.kernels import Kernel, mma, split_k
@@ -135,12 +137,14 @@ def shared_bytes(warps: int, heads: int, dims: int, aligned: bool) -> int:
     return max(2 * LUT_BYTES if aligned else LUT_BYTES, warps * heads * (dims + 2) * 4)
 
 
+@functools.lru_cache(maxsize=256)
 def aligned_tables(warps: int, heads: int, dims: int, shape: GpuShape) -> bool:
     """Whether the tables start at a 64 KB boundary of the shared window (``ALIGNED``: a
     look-up's address is then one byte permute, with no base to add): wherever the room
     for it costs no threadgroup per multiprocessor. Twelve warps on an H200 or an A100,
     one threadgroup per multiprocessor either way: yes; four warps (three per H200
-    multiprocessor otherwise) or an RTX 4090 (100 KB of shared memory): no."""
+    multiprocessor otherwise) or an RTX 4090 (100 KB of shared memory): no. Cached: every
+    decode call asks, with the same few arguments."""
     plain, aligned = shared_bytes(warps, heads, dims, False), shared_bytes(warps, heads, dims, True)
     fits = aligned + STATIC_SHARED + RESERVED_SHARED <= shape.shared_per_multiprocessor
     return fits and blocks_per_sm(aligned, warps, shape) == blocks_per_sm(plain, warps, shape)
