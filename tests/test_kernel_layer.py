@@ -28,7 +28,7 @@ from butter_core.kernels.kernel import build_key
 BACKENDS = ("metal", "cuda")
 MACROS = ("BT_SHARED", "BT_SHARED_PTR", "BT_BARRIER", "BT_GLOBAL", "BT_PRIVATE", "BT_FUNC",
           "BT_NEG_INF", "BT_WARP_SIZE")
-FUNCTIONS = ("bt_to_float", "bt_from_float", "bt_exp", "bt_exp2", "bt_sqrt", "bt_rint",
+FUNCTIONS = ("bt_to_float", "bt_from_float", "bt_exp", "bt_exp2", "bt_sqrt", "bt_rint", "bt_max",
              "bt_as_float", "bt_shuffle_xor", "bt_group_sum", "bt_group_max", "bt_warp_sum",
              "bt_warp_max", "bt_load")
 LOCALS = {"block_idx", "thread_idx", "block_dim", "grid_dim", "global_idx", "thread_rank",

@@ -23,7 +23,10 @@ Macros:
     BT_DYNAMIC_SHARED(type, name)   CUDA only: the kernel's dynamic shared array
 Functions:
     bt_to_float(x), bt_from_float<T>(f)   float32 / float16 / bfloat16 <-> float
-    bt_exp(x), bt_exp2(x), bt_sqrt(x), bt_rint(x)   float; rint rounds half to even
+    bt_exp(x), bt_exp2(x), bt_sqrt(x), bt_rint(x)   float; rint rounds half to even; on
+                                          CUDA exp and exp2 are the hardware's approximations
+                                          (about 2 ulp, results below 2^-126 flush to zero)
+    bt_max(a, b)                          the larger float (one instruction; a NaN loses)
     bt_as_float(u)                        the float whose bits are the uint32_t u
     bt_shuffle_xor(v, mask)               butterfly exchange within a warp
     bt_group_sum<W>(v), bt_group_max<W>(v)   reduce over aligned groups of W lanes
@@ -164,6 +167,7 @@ BT_FUNC float bt_exp(float x) { return metal::exp(x); }
 BT_FUNC float bt_exp2(float x) { return metal::exp2(x); }
 BT_FUNC float bt_sqrt(float x) { return metal::sqrt(x); }
 BT_FUNC float bt_rint(float x) { return metal::rint(x); }
+BT_FUNC float bt_max(float a, float b) { return metal::fmax(a, b); }
 BT_FUNC float bt_as_float(uint32_t u) { return as_type<float>(u); }
 BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return simd_shuffle_xor(v, static_cast<ushort>(mask));
@@ -210,9 +214,21 @@ template <> BT_FUNC __nv_bfloat16 bt_from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 BT_FUNC float bt_exp(float x) { return __expf(x); }
-BT_FUNC float bt_exp2(float x) { return exp2f(x); }
+// 2^x by the hardware's approximation (ex2.approx.ftz: about 2 ulp, results below 2^-126
+// flush to zero, 2 to the minus infinity is +0), as bt_exp's __expf is; exp2f where the
+// source is not compiled for a GPU (the CPU emulator).
+BT_FUNC float bt_exp2(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
 BT_FUNC float bt_sqrt(float x) { return sqrtf(x); }
 BT_FUNC float bt_rint(float x) { return rintf(x); }
+BT_FUNC float bt_max(float a, float b) { return fmaxf(a, b); }
 BT_FUNC float bt_as_float(uint32_t u) { return __uint_as_float(u); }
 BT_FUNC float bt_shuffle_xor(float v, int mask) {
   return __shfl_xor_sync(0xffffffffu, v, mask);

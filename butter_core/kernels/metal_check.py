@@ -143,7 +143,7 @@ bool simd_all(bool);
 namespace metal {
 float exp(float); float exp2(float); float log(float); float log2(float); float sqrt(float);
 float rsqrt(float); float rint(float); float floor(float); float ceil(float); float abs(float);
-float fabs(float); float fma(float, float, float); half2 fma(half2, half2, half2);
+float fabs(float); float fmax(float, float); float fma(float, float, float); half2 fma(half2, half2, half2);
 template <typename T> T max(T, T);
 template <typename T> T min(T, T);
 template <typename T> T clamp(T, T, T);

@@ -40,6 +40,7 @@ inline float exp(float x) { return std::exp(x); }
 inline float exp2(float x) { return std::exp2(x); }
 inline float sqrt(float x) { return std::sqrt(x); }
 inline float rint(float x) { return std::rint(x); }
+inline float fmax(float a, float b) { return std::fmax(a, b); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 inline half fma(half a, half b, half c) { return (half)((double)a * (double)b + (double)c); }  // exact, rounded once
 inline half2 fma(half2 a, half2 b, half2 c) { return half2(fma(a.x, b.x, c.x), fma(a.y, b.y, c.y)); }

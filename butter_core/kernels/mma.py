@@ -48,10 +48,15 @@ mma=True)`` and ``split_k.SPLIT_K_HELPERS`` before it):
   fragments ``qb[(nh * D/16 + j) * 2 + i]`` from ``heads`` query rows at ``queries``
   (row-major, D each), times ``q_scale``, in float16; heads past ``heads`` are zero.
 - ``mma_softmax<NH, KB, DT>(s, m, l, o, pb, lane)``: one online-softmax step over ``KB``
-  key blocks of scores (masked keys already ``-inf``; the first key of the first block
-  must be valid): when any lane holds a score above its head's max, reduces the maxima
-  over the lanes and rescales ``l`` and ``o`` (``DT`` dimension tiles); adds ``exp2(s -
-  m)`` to ``l`` and packs it, transposed, as ``pb``.
+  key blocks of scores (masked keys already ``-inf``; a head may see none for any number
+  of steps, even to the end: ``m = -inf, l = 0``), in three parts that a kernel
+  interleaving the blocks' value products with their ``Pᵀ`` (butter-aura) calls itself:
+  ``mma_softmax_max<NH, KB, DT>(s, m, l, o)``: when any lane holds a score above its
+  head's max, reduces the maxima over the lanes and rescales ``l`` and ``o`` (``DT``
+  dimension tiles); ``mma_softmax_probabilities<NH, KB>(s, m, l)``: ``p = exp2(s - m)``
+  in place of ``s``, added to ``l``; ``mma_softmax_pack<NH>(p, pb, lane, w_upper = 1,
+  w_lower = 1)``: one block's ``p`` times a weight per key (``w_upper`` for key ``g``,
+  ``w_lower`` for key ``g + 8``; butter-aura's value scales), transposed, as its ``pb``.
 - ``mma_write_partials<HEADS, NH, D, WARPS>(m, l, o, lane, warp, rank, block, warp_m,
   warp_l, warp_acc, partial_acc, partial_max, partial_sum)``: after the key loop, every
   thread calls it once: it sums ``l`` over the lanes, stores each warp's state to the
@@ -98,11 +103,12 @@ BT_FUNC void mma_query_fragments(In queries, int heads, float q_scale, unsigned 
 }
 
 template <int NH, int KB, int DT>
-BT_FUNC void mma_softmax(BT_PRIVATE float* s, BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* o,
-                         BT_PRIVATE uint32_t* pb, unsigned int lane) {
+BT_FUNC void mma_softmax_max(const BT_PRIVATE float* s, BT_PRIVATE float* m, BT_PRIVATE float* l,
+                             BT_PRIVATE float* o) {
   // Whether any score of the step is above its head's running max, in any lane: rare
   // once the stream is warm, and only then are the heads' maxima reduced over the lanes
-  // and what was summed so far rescaled (by 1 exactly for a head whose max held).
+  // and what was summed so far rescaled (by 1 exactly for a head whose max held, and
+  // for one that has seen no key: its max stays -inf, its sum 0).
   bool above = false;
 #pragma unroll
   for (int kb = 0; kb < KB; ++kb) {
@@ -112,50 +118,65 @@ BT_FUNC void mma_softmax(BT_PRIVATE float* s, BT_PRIVATE float* m, BT_PRIVATE fl
     }
   }
   if (bt_any(above)) {
+    float correction[NH * 2];
 #pragma unroll
-    for (int nh = 0; nh < NH; ++nh) {
+    for (int c = 0; c < NH * 2; ++c) {
+      // Column (head) maxima: this lane's keys, then the 8 lanes of its q.
+      float x = m[c];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        // Column (head) maxima: this lane's keys, then the 8 lanes of its q.
-        float x = m[nh * 2 + e];
-#pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-          const float a = s[(kb * NH + nh) * 4 + e];
-          const float b = s[(kb * NH + nh) * 4 + 2 + e];
-          x = a > x ? a : x;
-          x = b > x ? b : x;
-        }
-#pragma unroll
-        for (int offset = 4; offset < BT_WARP_SIZE; offset *= 2) {
-          const float other = bt_shuffle_xor(x, offset);
-          x = other > x ? other : x;
-        }
-        const float correction = bt_exp2(m[nh * 2 + e] - x);  // 0 while m was -inf
-        l[nh * 2 + e] *= correction;
-#pragma unroll
-        for (int t = 0; t < DT; ++t) {
-          o[(t * NH + nh) * 4 + e] *= correction;
-          o[(t * NH + nh) * 4 + 2 + e] *= correction;
-        }
-        m[nh * 2 + e] = x;
+      for (int kb = 0; kb < KB; ++kb) {
+        x = bt_max(x, bt_max(s[(kb * NH + c / 2) * 4 + c % 2], s[(kb * NH + c / 2) * 4 + 2 + c % 2]));
       }
+#pragma unroll
+      for (int offset = 4; offset < BT_WARP_SIZE; offset *= 2) {
+        x = bt_max(x, bt_shuffle_xor(x, offset));
+      }
+      correction[c] = x > m[c] ? bt_exp2(m[c] - x) : 1.0f;  // 0 while m was -inf
+      l[c] *= correction[c];
+      m[c] = x;
+    }
+#pragma unroll
+    for (int i = 0; i < DT * NH * 4; ++i) {
+      o[i] *= correction[(i / 4 % NH) * 2 + i % 2];
     }
   }
-  // Probabilities, their sums, and Pᵀ: lane (g, q) needs P[key 2q (+1, +8, +9)][head g],
-  // the transpose of the packed pairs (key g | g + 8, heads 2q, 2q+1) the lanes hold.
+}
+
+template <int NH, int KB>
+BT_FUNC void mma_softmax_probabilities(BT_PRIVATE float* s, const BT_PRIVATE float* m, BT_PRIVATE float* l) {
+  // The probabilities, in place of the scores, and their sums. A head that has seen no
+  // key subtracts 0 from its -inf scores: exp2(-inf) = 0.
 #pragma unroll
   for (int kb = 0; kb < KB; ++kb) {
 #pragma unroll
-    for (int nh = 0; nh < NH; ++nh) {
-      float p[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        p[i] = bt_exp2(s[(kb * NH + nh) * 4 + i] - m[nh * 2 + i % 2]);
-        l[nh * 2 + i % 2] += p[i];
-      }
-      pb[(kb * NH + nh) * 2] = bt_transpose_8x8(bt_pack_half2(p[0], p[1]), lane);      // key g
-      pb[(kb * NH + nh) * 2 + 1] = bt_transpose_8x8(bt_pack_half2(p[2], p[3]), lane);  // key g + 8
+    for (int i = 0; i < NH * 4; ++i) {
+      const float max = m[(i / 4) * 2 + i % 2];
+      s[kb * NH * 4 + i] = bt_exp2(s[kb * NH * 4 + i] - (max == BT_NEG_INF ? 0.0f : max));
+      l[(i / 4) * 2 + i % 2] += s[kb * NH * 4 + i];
     }
+  }
+}
+
+template <int NH>
+BT_FUNC void mma_softmax_pack(const BT_PRIVATE float* p, BT_PRIVATE uint32_t* pb, unsigned int lane,
+                              float w_upper = 1.0f, float w_lower = 1.0f) {
+  // Pᵀ: lane (g, q) needs P[key 2q (+1, +8, +9)][head g], the transpose of the packed
+  // pairs (key g | g + 8, heads 2q, 2q+1) the lanes hold.
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh) {
+    pb[nh * 2] = bt_transpose_8x8(bt_pack_half2(p[nh * 4] * w_upper, p[nh * 4 + 1] * w_upper), lane);
+    pb[nh * 2 + 1] = bt_transpose_8x8(bt_pack_half2(p[nh * 4 + 2] * w_lower, p[nh * 4 + 3] * w_lower), lane);
+  }
+}
+
+template <int NH, int KB, int DT>
+BT_FUNC void mma_softmax(BT_PRIVATE float* s, BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* o,
+                         BT_PRIVATE uint32_t* pb, unsigned int lane) {
+  mma_softmax_max<NH, KB, DT>(s, m, l, o);
+  mma_softmax_probabilities<NH, KB>(s, m, l);
+#pragma unroll
+  for (int kb = 0; kb < KB; ++kb) {
+    mma_softmax_pack<NH>(s + kb * NH * 4, pb + kb * NH * 2, lane);
   }
 }
 

@@ -414,60 +414,15 @@ _BODY = """
       }
     }
 
-    // Online softmax per head (column). Only when some lane holds a score above its
-    // head's max (rare once the stream is warm) are the maxima reduced over the 8 lanes of
-    // a t and what was summed so far rescaled (by 1 exactly for a head whose max held).
-    bool above = false;
+    // Online softmax per head (column; butter_core.kernels.mma).
+    mma_softmax_max<1, BLOCKS, MT>(&s[0][0], m, l, o);
+    mma_softmax_probabilities<1, BLOCKS>(&s[0][0], m, l);
 #pragma unroll
     for (int b = 0; b < BLOCKS; ++b) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        above = above || s[b][i] > m[i % 2];
-      }
-    }
-    if (bt_any(above)) {
-      float correction[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float step_max = m[c];
-#pragma unroll
-        for (int b = 0; b < BLOCKS; ++b) {
-          step_max = fmaxf(step_max, fmaxf(s[b][c], s[b][c + 2]));
-        }
-        step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 4));
-        step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 8));
-        step_max = fmaxf(step_max, bt_shuffle_xor(step_max, 16));
-        correction[c] = step_max > m[c] ? aura_exp2(m[c] - step_max) : 1.0f;
-        l[c] *= correction[c];
-        m[c] = step_max;
-      }
-#pragma unroll
-      for (int j = 0; j < MT; ++j) {
-        o[4 * j] *= correction[0];
-        o[4 * j + 1] *= correction[1];
-        o[4 * j + 2] *= correction[0];
-        o[4 * j + 3] *= correction[1];
-      }
-    }
-    float p[BLOCKS][4];
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        p[b][i] = s[b][i] == BT_NEG_INF ? 0.0f : aura_exp2(s[b][i] - m[i % 2]);
-        l[i % 2] += p[b][i];
-      }
-    }
-
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b) {
-      // P' = p * value scale in float16, transposed to the value MMA's B fragment (keys
-      // 2t', 2t'+1 | 2t'+8, 2t'+9 of head g') from this lane's packs (key g | g + 8,
-      // heads 2t, 2t+1).
+      // P' = p * the key's value scale in float16, transposed to the value MMA's B
+      // fragment (keys 2t', 2t'+1 | 2t'+8, 2t'+9 of head g').
       uint32_t pb[2];
-      pb[0] = bt_transpose_8x8(bt_pack_half2(p[b][0] * vscale[b][0], p[b][1] * vscale[b][0]), lane_id);
-      pb[1] = bt_transpose_8x8(bt_pack_half2(p[b][2] * vscale[b][1], p[b][3] * vscale[b][1]), lane_id);
-
+      mma_softmax_pack<1>(s[b], pb, lane_id, vscale[b][0], vscale[b][1]);
       // O^T += V_levels^T P'^T. m-tile j: row g -> coordinate g D/8 + 2j, row g+8 -> + 2j + 1;
       // A: a[0] = row g, keys 2t, 2t+1; a[1] = row g+8, same keys; a[2], a[3]: keys 2t+8, 2t+9.
       uint32_t z[2][2][VLW];  // 2- and 4-bit codes: the two keys' nibbles interleaved
@@ -593,18 +548,6 @@ BT_FUNC uint32_t aura_lut_entry(const float* levels, int e) {
   } else {
     return bt_pack_half2(levels[e], 0.0f);
   }
-}
-
-// 2^x by the hardware's approximation (about 2 ulp; results below 2^-126 flush to zero),
-// exact exp2f where the source is not compiled for a GPU (a CPU emulator).
-BT_FUNC float aura_exp2(float x) {
-#ifdef __CUDA_ARCH__
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return exp2f(x);
-#endif
 }
 
 // The key chunk's pairs for the query fragments (butter_core.kernels.mma): pair r is
