@@ -45,30 +45,53 @@ Step = Callable[[mx.array, int], mx.array]
 """One call: (query, call index) to its output; the index picks the input copy."""
 
 
-def steps(length: int) -> tuple[mx.array, dict[str, Step]]:
-    """A query and every path's call, on inputs enough copies deep to keep consecutive
-    calls out of L2."""
+AFFINE_FORMATS = {"affine4": (4, 32), "affine6": (6, 32), "affine8": (8, 64)}
+"""butter-affine's schemes as bits and group size (their defaults)."""
+AURA_SCHEMES = ("aura4v2", "aura4v4", "aura8v4", "aura8v8")
+PATHS = ("raw SDPA", *AFFINE_FORMATS, *AURA_SCHEMES, "affine4 partials only", "aura4v2 partials only")
+"""Every path ``steps`` can build."""
+
+
+def steps(length: int, names: tuple[str, ...] = ("raw SDPA", "affine4", "aura4v2")) -> tuple[mx.array, dict[str, Step]]:
+    """A query and the call of each path in ``names`` (of ``PATHS``), on inputs enough copies
+    deep to keep consecutive calls out of L2; only those paths' inputs are made."""
+    unknown = set(names) - set(PATHS)
+    if unknown:
+        raise ValueError(f"unknown paths {sorted(unknown)}; known: {list(PATHS)}")
     scale = HEAD_DIM**-0.5
     raw = gpu_aura.raw_copies(length)
-    affine = gpu_affine.packed_sets(4, 32, length)
-    aura = gpu_aura.aura_copies("aura4v2", length)
     live, scale_array = kernel_params((length,), mx.int32), kernel_params((scale,), mx.float32)
+    made: dict[str, Step] = {}
 
-    def affine_buffers(i: int) -> list[mx.array]:
-        return [affine[i % len(affine)][name] for name in BUFFERS]
+    def affine(name: str, *, partials: bool = False) -> Step:
+        sets = gpu_affine.packed_sets(*AFFINE_FORMATS[name], length)
 
-    def aura_stored(i: int):
-        return aura[i % len(aura)]["stored"]
+        def buffers(i: int) -> list[mx.array]:
+            return [sets[i % len(sets)][buffer] for buffer in BUFFERS]
 
-    return raw[0][0], {
-        "raw SDPA": lambda q, i: mx.fast.scaled_dot_product_attention(q, *raw[i % len(raw)][1:], scale=scale),
-        "affine4": lambda q, i: decode_mma.decode_attention(q, *affine_buffers(i), length=length, scale=scale),
-        "affine4 partials only": lambda q, i: decode_mma.partials(q, *affine_buffers(i), live=live,
-                                                                  scale=scale_array)[0],
-        "aura4v2": lambda q, i: attention.decode_attention(q, aura_stored(i), scale, method="mma"),
-        "aura4v2 partials only": lambda q, i: attention_mma.partials(
-            q, aura_stored(i), attention.live_params(aura_stored(i)), scale_array)[0],
-    }
+        if partials:
+            return lambda q, i: decode_mma.partials(q, *buffers(i), live=live, scale=scale_array)[0]
+        return lambda q, i: decode_mma.decode_attention(q, *buffers(i), length=length, scale=scale)
+
+    def aura(name: str, *, partials: bool = False) -> Step:
+        copies = gpu_aura.aura_copies(name, length)
+
+        def stored(i: int):
+            return copies[i % len(copies)]["stored"]
+
+        if partials:
+            return lambda q, i: attention_mma.partials(q, stored(i), attention.live_params(stored(i)), scale_array)[0]
+        return lambda q, i: attention.decode_attention(q, stored(i), scale, method="mma")
+
+    for name in names:
+        if name == "raw SDPA":
+            made[name] = lambda q, i: mx.fast.scaled_dot_product_attention(q, *raw[i % len(raw)][1:], scale=scale)
+        elif name.endswith(" partials only"):
+            scheme = name.split()[0]
+            made[name] = (affine if scheme in AFFINE_FORMATS else aura)(scheme, partials=True)
+        else:
+            made[name] = (affine if name in AFFINE_FORMATS else aura)(name)
+    return raw[0][0], made
 
 
 def independent(query: mx.array, step: Step) -> Callable[[], list[mx.array]]:
@@ -96,7 +119,7 @@ def encode_and_wait(build: Callable[[], list[mx.array]], repeats: int = 5) -> tu
 
 def main() -> int:
     length = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
-    query, paths = steps(length)
+    query, paths = steps(length, ("raw SDPA", "affine4", "aura4v2", "affine4 partials only", "aura4v2 partials only"))
     builds = {name: independent(query, step) for name, step in paths.items()}
     for name in ("raw SDPA", "affine4", "aura4v2"):
         builds[f"{name} chained"] = gpu_affine.chained(query, paths[name], list(range(CALLS)))

@@ -10,8 +10,9 @@ that runs the same kernel with one more output: each threadgroup's first thread 
 The extra work is a few stores per warp. MLX's own kernels (SDPA, copies) are not
 stamped; two stamped copies around a run of calls (markers) time them too.
 
-Per path (raw SDPA, affine4 and aura4v2 decode; batch 1, 32 query / 8 KV heads, head_dim
-128, bf16) and round, CALLS calls chained (each call's query the previous call's output,
+Per path (raw SDPA and, by default, affine4 and aura4v2 decode; ``--paths`` names any of
+``gpu_decode_parts.PATHS``: every affine and AURA scheme; batch 1, 32 query / 8 KV heads,
+head_dim 128, bf16) and round, CALLS calls chained (each call's query the previous call's output,
 as a decode step's layers) and CALLS independent calls:
 
 - **GPU**: a gate kernel holds the GPU for ``GATE_NS`` while the host encodes everything
@@ -231,11 +232,11 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=10, help="calls run before the first marker")
     parser.add_argument("--save", help="an .npz file for every launch's stamps")
     parser.add_argument("--paths", nargs="+", default=["raw SDPA", "affine4", "aura4v2"],
-                        help="gpu_decode_parts.steps' paths, raw SDPA first (also: the partials-only paths)")
+                        help="gpu_decode_parts.PATHS: raw SDPA first, then any scheme (or affine4's and aura4v2's partials only)")
     args = parser.parse_args()
-    query, paths = gpu_decode_parts.steps(args.context)
-    if args.paths[0] != "raw SDPA" or not set(args.paths) <= set(paths):
-        parser.error(f"--paths: 'raw SDPA' first, then any of {sorted(paths)}")
+    if args.paths[0] != "raw SDPA" or not set(args.paths) <= set(gpu_decode_parts.PATHS):
+        parser.error(f"--paths: 'raw SDPA' first, then any of {list(gpu_decode_parts.PATHS)}")
+    query, paths = gpu_decode_parts.steps(args.context, tuple(args.paths))
     labels = [(name, chain) for name in args.paths for chain in (True, False)]
     gpu: dict[str, list[float]] = {}
     wall: dict[str, list[float]] = {}
