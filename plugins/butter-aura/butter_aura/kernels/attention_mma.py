@@ -57,7 +57,12 @@ reduction per 32 keys); the next step's key codes, scales and value codes are lo
 soon as the scores are done, the value codes into a second buffer (``AHEAD``, see
 ``default_ahead``; without it they wait until the values are done, and a step with little
 work waits on two load latencies: H200, 128k, side by side, aura4v2 0.586x raw SDPA's time
-against 0.629x, chained 0.727x against 0.754x; ``bench/gpu_aura.py --sections ahead``). Full-precision slots (sinks,
+against 0.629x, chained 0.727x against 0.754x; ``bench/gpu_aura.py --sections ahead``).
+Nothing that a step loads is used in that step: the scales stay float16 until the next
+step converts them, and the value codes move from the second buffer to the first only
+after the next step's scores (a conversion or copy next to the loads made the warp wait
+out the memory latency there every step: H200, 128k, alternating processes, aura4v2
+0.381-0.384x raw SDPA's GPU time chained before, 0.340-0.343x after). Full-precision slots (sinks,
 the recent ring) are skipped as in the SIMT kernel: a step wholly inside ``[sinks,
 end)`` and outside the ring's slot range takes no per-key test. After the loop each
 warp's state goes to shared memory (over the tables) and ``mma_write_partials`` merges
@@ -215,9 +220,13 @@ _BODY = """
   // codes with them into a second buffer (AHEAD), else as soon as the values are done.
   uint32_t kc[BLOCKS][2][KLW];   // keys g and g + 8: this lane's quarter of their codes
   uint32_t vc[BLOCKS][4][VLW];   // keys 2t, 2t+1, 2t+8, 2t+9: this lane's eighth of their codes
-  uint32_t vn[AHEAD ? BLOCKS : 1][4][VLW];  // AHEAD: the next step's value codes
-  float ks[BLOCKS][2];           // key scales of keys g and g + 8
-  float vs[BLOCKS][2];           // their value scales
+  uint32_t vn[AHEAD ? BLOCKS : 1][4][VLW];  // AHEAD: value codes in flight (a step ahead of vc)
+  // Key scales of keys g and g + 8, and their value scales, as loaded: converted to float
+  // only where a step uses them, so no instruction of the step that loads them waits for
+  // the load (a conversion at the load stalled the warp there for the whole memory
+  // latency; Nsight Compute put a fifth of the kernel's stall samples on it).
+  __half ks[BLOCKS][2];
+  __half vs[BLOCKS][2];
   // A step wholly inside [start, end) reads from one address per array plus constant
   // offsets; the last step of a split clamps each key to the last one.
   auto load_keys = [&](int at) {
@@ -231,8 +240,8 @@ _BODY = """
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           aura_load_bytes<KLB, READ_ONLY>(codes + (16 * b + 8 * h) * KWB, kc[b][h]);
-          ks[b][h] = bt_to_float(bt_read_if<READ_ONLY>(kscales + 16 * b + 8 * h));
-          vs[b][h] = bt_to_float(bt_read_if<READ_ONLY>(vscales + 16 * b + 8 * h));
+          ks[b][h] = bt_read_if<READ_ONLY>(kscales + 16 * b + 8 * h);
+          vs[b][h] = bt_read_if<READ_ONLY>(vscales + 16 * b + 8 * h);
         }
       }
     } else {
@@ -242,8 +251,8 @@ _BODY = """
         for (int h = 0; h < 2; ++h) {
           const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 8 * h + g, last));
           aura_load_bytes<KLB, READ_ONLY>(k_base + key * static_cast<uint32_t>(KWB), kc[b][h]);
-          ks[b][h] = bt_to_float(bt_read_if<READ_ONLY>(ks_base + key));
-          vs[b][h] = bt_to_float(bt_read_if<READ_ONLY>(vs_base + key));
+          ks[b][h] = bt_read_if<READ_ONLY>(ks_base + key);
+          vs[b][h] = bt_read_if<READ_ONLY>(vs_base + key);
         }
       }
     }
@@ -271,7 +280,11 @@ _BODY = """
   };
   if (base < block.end) {  // the first step's loads overlap building the tables
     load_keys(base);
-    load_values(base, vc);
+    if constexpr (AHEAD) {
+      load_values(base, vn);
+    } else {
+      load_values(base, vc);
+    }
   }
 
   // The look-up tables: 256 entries of 256 bytes in dynamic shared memory. Entry e holds
@@ -383,8 +396,22 @@ _BODY = """
     for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        kscale[b][h] = ks[b][h];
-        vscale[b][h] = vs[b][h];
+        kscale[b][h] = bt_to_float(ks[b][h]);
+        vscale[b][h] = bt_to_float(vs[b][h]);
+      }
+    }
+    if constexpr (AHEAD) {
+      // This step's value codes, loaded a step ago (copied here, not at the end of the
+      // last step, where the copy would wait for loads issued in that step).
+#pragma unroll
+      for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+          for (int w = 0; w < VLW; ++w) {
+            vc[b][i][w] = vn[b][i][w];
+          }
+        }
       }
     }
     if (base + STEP < block.end) {
@@ -463,18 +490,7 @@ _BODY = """
         bt_mma_16x8x16(o + 4 * j, a, pb, lane_id);
       }
     }
-    if constexpr (AHEAD) {
-#pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-          for (int w = 0; w < VLW; ++w) {
-            vc[b][i][w] = vn[b][i][w];
-          }
-        }
-      }
-    } else if (base + STEP < block.end) {
+    if (!AHEAD && base + STEP < block.end) {
       load_values(base + STEP, vc);
     }
   }
