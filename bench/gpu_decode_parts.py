@@ -37,7 +37,7 @@ from butter_affine.kernels import decode_mma
 from butter_affine.packing import BUFFERS
 from butter_aura.kernels import attention, attention_mma
 from butter_core.kernels import kernel_params
-from gpu_timing import CALLS, print_side_by_side, side_by_side
+from gpu_timing import CALLS, copies_for, print_side_by_side, quantized_matmul_attention, side_by_side
 
 ROUNDS = 5
 HEAD_DIM = 128
@@ -48,7 +48,12 @@ Step = Callable[[mx.array, int], mx.array]
 AFFINE_FORMATS = {"affine4": (4, 32), "affine6": (6, 32), "affine8": (8, 64)}
 """butter-affine's schemes as bits and group size (their defaults)."""
 AURA_SCHEMES = ("aura4v2", "aura4v4", "aura8v4", "aura8v8")
-PATHS = ("raw SDPA", *AFFINE_FORMATS, *AURA_SCHEMES, "affine4 partials only", "aura4v2 partials only")
+QUANTIZED_MATMUL = {"quantized_matmul 4-bit": 4, "quantized_matmul 8-bit": 8}
+"""The baseline of the issues' "x times faster than ``mx.quantized_matmul``" goals:
+mlx-lm's quantized-cache attention (``gpu_timing.quantized_matmul_attention``) on
+``mx.quantize``d K and V, groups of 64."""
+PATHS = ("raw SDPA", *AFFINE_FORMATS, *AURA_SCHEMES, *QUANTIZED_MATMUL, "affine4 partials only",
+         "aura4v2 partials only")
 """Every path ``steps`` can build."""
 
 
@@ -83,9 +88,22 @@ def steps(length: int, names: tuple[str, ...] = ("raw SDPA", "affine4", "aura4v2
             return lambda q, i: attention_mma.partials(q, stored(i), attention.live_params(stored(i)), scale_array)[0]
         return lambda q, i: attention.decode_attention(q, stored(i), scale, method="mma")
 
+    def quantized_matmul(bits: int) -> Step:
+        def one() -> tuple:
+            k, v = (mx.random.normal((1, gpu_affine.KV_HEADS, length, HEAD_DIM)).astype(gpu_affine.DTYPE) for _ in range(2))
+            pair = (mx.quantize(k, 64, bits), mx.quantize(v, 64, bits))
+            mx.eval(pair)
+            return pair
+
+        first = one()
+        sets = [first] + [one() for _ in range(1, copies_for(sum(x.nbytes for triple in first for x in triple)))]
+        return lambda q, i: quantized_matmul_attention(q, *sets[i % len(sets)], scale, bits=bits, group_size=64)
+
     for name in names:
         if name == "raw SDPA":
             made[name] = lambda q, i: mx.fast.scaled_dot_product_attention(q, *raw[i % len(raw)][1:], scale=scale)
+        elif name in QUANTIZED_MATMUL:
+            made[name] = quantized_matmul(QUANTIZED_MATMUL[name])
         elif name.endswith(" partials only"):
             scheme = name.split()[0]
             made[name] = (affine if scheme in AFFINE_FORMATS else aura)(scheme, partials=True)

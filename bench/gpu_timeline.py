@@ -11,8 +11,9 @@ The extra work is a few stores per warp. MLX's own kernels (SDPA, copies) are no
 stamped; two stamped copies around a run of calls (markers) time them too.
 
 Per path (raw SDPA and, by default, affine4 and aura4v2 decode; ``--paths`` names any of
-``gpu_decode_parts.PATHS``: every affine and AURA scheme; batch 1, 32 query / 8 KV heads,
-head_dim 128, bf16) and round, CALLS calls chained (each call's query the previous call's output,
+``gpu_decode_parts.PATHS``: every affine and AURA scheme, and mlx-lm's attention through
+``mx.quantized_matmul``, against which each scheme's speed-up is printed too; batch 1,
+32 query / 8 KV heads, head_dim 128, bf16) and round, CALLS calls chained (each call's query the previous call's output,
 as a decode step's layers) and CALLS independent calls:
 
 - **GPU**: a gate kernel holds the GPU for ``GATE_NS`` while the host encodes everything
@@ -268,6 +269,15 @@ def main() -> int:
                 r = [a / b for a, b in zip(times[label], times[base])]
                 line += f"  {what} x raw {statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})"
         print(line, flush=True)
+    baselines = [name for name in args.paths if name in gpu_decode_parts.QUANTIZED_MATMUL]
+    for base in baselines:  # how many times faster than mlx-lm's quantized_matmul attention, same rounds
+        for name in args.paths:
+            if name == "raw SDPA" or name in gpu_decode_parts.QUANTIZED_MATMUL:
+                continue
+            for mode in ("chained", "independent"):
+                r = [b / a for a, b in zip(gpu[f"{name} {mode}"], gpu[f"{base} {mode}"])]
+                print(f"{k} {name} {mode}: {base} takes {statistics.median(r):.1f}x its GPU time "
+                      f"({min(r):.1f}-{max(r):.1f})", flush=True)
     for label, rounds in tables.items():
         for name in rounds[0]:
             rows = [t[name] for t in rounds]
