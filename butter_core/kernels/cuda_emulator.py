@@ -15,7 +15,8 @@ references on any machine, CI included.
 It is an emulation, not a GPU: no warp scheduling or memory-ordering effects beyond what
 real threads and barriers give, exact IEEE arithmetic where the GPU approximates (the
 tensor cores' sums in another order; ``ex2.approx`` in the dialect's ``bt_exp2``, which
-keeps an exact branch for hosts without ``__CUDA_ARCH__``), no shared-memory or register limits, no speed.
+keeps an exact branch for hosts without ``__CUDA_ARCH__``), no shared-memory or register
+limits, no speed.
 
 ``python -m butter_core.kernels.cuda_emulator SCHEME [CHECK ...]`` runs an installed
 scheme's kernel checks built for CUDA and exits non-zero if any fails (g++ 12 or newer;
