@@ -8,6 +8,7 @@ import pytest
 
 from butter_core.kernels import backend, gpu_backend, recorded_builds, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
+from butter_core.cpu_attention import softmax_for
 from butter_core.kernels.dialect import compact
 from butter_core.slots import unstack
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
@@ -95,6 +96,23 @@ def test_one_group_decode_matches_reference(group_size, head_dim, allocated, len
     out = ops.one_group_decode(inputs["queries"], stacks, inputs["length"], inputs["scale"])
     expected = decode.decode_attention_reference(**inputs)
     assert relative_error(out, expected) <= 1e-5
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_one_group_decode_replays_one_trace_while_the_buffers_keep_their_shape():
+    """Decode steps, each one slot longer, replay one traced call (the length reaches it as
+    an array, not as a shape), and each step still attends to its own live slots only."""
+    inputs = decode.make_inputs(7, bits=8, group_size=64, q_heads=9, kv_heads=3, head_dim=64, allocated=700,
+                                length=600, dtype=mx.float32)
+    stacks = stack({name: inputs[name] for name in BUFFERS})
+    factor, softmax = softmax_for(600)
+    traced = ops._one_group_traced(inputs["scale"] * factor, softmax)
+    traced.traces.clear()  # shared with the other tests' calls
+    for length in (600, 601, 650):
+        out = ops.one_group_decode(inputs["queries"], stacks, length, inputs["scale"])
+        expected = decode.decode_attention_reference(**{**inputs, "length": length})
+        assert relative_error(out, expected) <= 1e-5
+    assert len(traced.traces) == 1
 
 
 @pytest.mark.parametrize(("bits", "group_size", "head_dim", "one_group"),
