@@ -7,7 +7,7 @@ and single-token decode attention. Per backend, from measurement:
 |---|---|---|---|
 | quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel, traced once per row shape (``traced_quantize``) | ``quantize_kv`` kernel |
 | dequantize | reference (``codec.dequantize``), compiled | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
-| decode | float32: 8-bit codes with one group per row: the keys' codes cast to float32 and a matmul, scales and biases applied to the products, the values through ``mx.quantized_matmul`` (``one_group_decode``); other float32 formats: dequantized keys (compiled, as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel; either traced once per buffer shape (``kernel_decode``) | dequantize + SDPA (the seed's path) |
+| decode | float32: 8-bit codes with one group per row: the keys' codes cast to float32 and a matmul, scales and biases applied to the products, the values through ``mx.quantized_matmul`` (``one_group_decode``); other float32 formats: dequantized keys (as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values (``float32_decode``); either traced once per buffer shape; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel; either traced once per buffer shape (``kernel_decode``) | dequantize + SDPA (the seed's path) |
 
 CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
 ``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does.
@@ -195,8 +195,7 @@ def _cpu_decode(fmt: PackedFormat) -> Decode | None:
         return None
     if fmt.bits == 8 and fmt.groups == 1:
         return one_group_decode
-    key_planes = compile_by_shape(partial(codec.dequantize_planes, bits=fmt.bits, dtype=mx.float32))
-    return partial(float32_decode, bits=fmt.bits, group_size=fmt.group_size, key_planes=key_planes)
+    return partial(float32_decode, bits=fmt.bits, group_size=fmt.group_size)
 
 
 def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: float) -> mx.array:
@@ -248,46 +247,54 @@ def _one_group(queries: mx.array, codes: mx.array, scales_biases: mx.array, live
     q = grouped_queries(queries, codes.shape[2], scale)
     keys = mx.view(buffers["key_codes"], mx.uint8).astype(mx.float32)
     scores = (keys @ q.swapaxes(-1, -2)) * buffers["key_scales"] + buffers["key_biases"] * q.sum(axis=-1)[..., None, :]
-    valid = mx.arange(scores.shape[-2], dtype=mx.int32)[:, None] < live  # slots [0, length)
-    weights = mx.where(valid.swapaxes(-1, -2), softmax(mx.where(valid, scores, -mx.inf).swapaxes(-1, -2)), 0.0)
     codes = buffers["value_codes"]
-    out = mx.quantized_matmul(weights, codes, buffers["value_scales"], buffers["value_biases"], transpose=False,
-                              group_size=codes.shape[-1] * 4, bits=8)
+    out = mx.quantized_matmul(_live_weights(softmax, scores, live), codes, buffers["value_scales"],
+                              buffers["value_biases"], transpose=False, group_size=codes.shape[-1] * 4, bits=8)
     return out.reshape(queries.shape)
 
 
-def float32_decode(
-    queries: mx.array, stacks: Buffers, length: int, scale: float, *, bits: int, group_size: int,
-    key_planes: Callable[[mx.array, mx.array, mx.array], list[mx.array]],
-) -> mx.array:
+def float32_decode(queries: mx.array, stacks: Buffers, length: int, scale: float, *, bits: int,
+                   group_size: int) -> mx.array:
     """Single-token attention over a cache's stacks of float32 codes on the CPU: scores
-    against the keys dequantized as planes by ``key_planes`` (a compiled
-    ``codec.dequantize_planes``), through float32 matmuls, then ``mx.quantized_matmul``
+    against the keys dequantized as planes (``codec.dequantize_planes``: every second or
+    fourth coordinate per plane), through float32 matmuls, then ``mx.quantized_matmul``
     for the values (mlx-lm uses it for both products).
 
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
     ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements. Like
-    ``one_group_decode``, it runs over every allocated slot (``_live_weights``), so the
-    compiled ``key_planes`` sees a new shape only when the buffers grow, not every step."""
-    buffers = unstack(stacks, STACKS)
+    ``one_group_decode``, it runs over every allocated slot as one traced call per
+    buffer shape, the live length a mask from an array."""
     factor, softmax = softmax_for(length)
-    q = grouped_queries(queries, buffers["key_codes"].shape[1], scale * factor)
-    planes = key_planes(buffers["key_codes"], buffers["key_scales"], buffers["key_biases"])
+    live = kernel_params((length,), mx.int32)
+    traced = _planes_traced(scale * factor, softmax, bits, group_size)
+    return traced(queries, stacks["codes"], stacks["scales_biases"], live)
+
+
+@cache
+def _planes_traced(scale: float, softmax: Callable[[mx.array], mx.array], bits: int, group_size: int) -> Callable:
+    """``_planes`` for one query scale, softmax and format, traced once per buffer shape."""
+    return compile_by_shape(partial(_planes, scale=scale, softmax=softmax, bits=bits, group_size=group_size))
+
+
+def _planes(queries: mx.array, codes: mx.array, scales_biases: mx.array, live: mx.array, *, scale: float,
+            softmax: Callable[[mx.array], mx.array], bits: int, group_size: int) -> mx.array:
+    buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
+    q = grouped_queries(queries, codes.shape[2], scale)
+    planes = codec.dequantize_planes(buffers["key_codes"], buffers["key_scales"], buffers["key_biases"], bits,
+                                     mx.float32)
     n = len(planes)
     scores = reduce(mx.add, [plane @ q[..., k::n].swapaxes(-1, -2) for k, plane in enumerate(planes)])
     out = mx.quantized_matmul(
-        _live_weights(softmax, scores, length), buffers["value_codes"], buffers["value_scales"],
+        _live_weights(softmax, scores, live), buffers["value_codes"], buffers["value_scales"],
         buffers["value_biases"], transpose=False, group_size=group_size, bits=bits,
     )
     return out.reshape(queries.shape)
 
 
-def _live_weights(softmax: Callable[[mx.array], mx.array], scores: mx.array, length: int) -> mx.array:
+def _live_weights(softmax: Callable[[mx.array], mx.array], scores: mx.array, live: mx.array) -> mx.array:
     """Attention weights ``[..., heads, slots]`` from scores ``[..., slots, heads]`` over
-    every allocated slot: ``softmax`` over the first ``length`` slots, 0 for the rest
-    (whose rows are finite: zeros, or an earlier row's codes)."""
-    allocated = scores.shape[-2]
-    weights = softmax(scores[..., :length, :].swapaxes(-1, -2))
-    if allocated > length:
-        weights = mx.pad(weights, [(0, 0)] * (weights.ndim - 1) + [(0, allocated - length)])
-    return weights
+    every allocated slot: ``softmax`` over slots ``[0, live)`` (``live`` a one-element
+    int32 array, so a trace serves every length), 0 for the rest (whose rows are finite:
+    zeros, or an earlier row's)."""
+    valid = mx.arange(scores.shape[-2], dtype=mx.int32)[:, None] < live
+    return mx.where(valid.swapaxes(-1, -2), softmax(mx.where(valid, scores, -mx.inf).swapaxes(-1, -2)), 0.0)

@@ -78,7 +78,7 @@ def test_float32_decode_matches_reference(bits, group_size, allocated, length):
                                 allocated=allocated, length=length, dtype=mx.float32)
     stacks = stack({name: inputs[name] for name in BUFFERS})
     out = float32_decode(inputs["queries"], stacks, inputs["length"], inputs["scale"], bits=bits,
-                         group_size=group_size, key_planes=lambda *k: codec.dequantize_planes(*k, bits, mx.float32))
+                         group_size=group_size)
     expected = decode.decode_attention_reference(**inputs)
     assert relative_error(out, expected) <= 1e-5
 
