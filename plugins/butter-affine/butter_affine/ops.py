@@ -247,9 +247,9 @@ def _one_group(queries: mx.array, codes: mx.array, scales_biases: mx.array, live
     q = grouped_queries(queries, codes.shape[2], scale)
     keys = mx.view(buffers["key_codes"], mx.uint8).astype(mx.float32)
     scores = (keys @ q.swapaxes(-1, -2)) * buffers["key_scales"] + buffers["key_biases"] * q.sum(axis=-1)[..., None, :]
-    codes = buffers["value_codes"]
-    out = mx.quantized_matmul(_live_weights(softmax, scores, live), codes, buffers["value_scales"],
-                              buffers["value_biases"], transpose=False, group_size=codes.shape[-1] * 4, bits=8)
+    value_codes = buffers["value_codes"]
+    out = mx.quantized_matmul(_live_weights(softmax, scores, live), value_codes, buffers["value_scales"],
+                              buffers["value_biases"], transpose=False, group_size=value_codes.shape[-1] * 4, bits=8)
     return out.reshape(queries.shape)
 
 
