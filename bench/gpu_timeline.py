@@ -13,8 +13,8 @@ stamped; two stamped copies around a run of calls (markers) time them too.
 Per path (raw SDPA and, by default, affine4 and aura4v2 decode; ``--paths`` names any of
 ``gpu_decode_parts.PATHS``: every affine and AURA scheme, and mlx-lm's attention through
 ``mx.quantized_matmul``, against which each scheme's speed-up is printed too; batch 1,
-32 query / 8 KV heads, head_dim 128, bf16) and round, CALLS calls chained (each call's query the previous call's output,
-as a decode step's layers) and CALLS independent calls:
+32 query / 8 KV heads, head_dim 128, bf16) and round, CALLS calls chained (each call's
+query the previous call's output, as a decode step's layers) and CALLS independent calls:
 
 - **GPU**: a gate kernel holds the GPU for ``GATE_NS`` while the host encodes everything
   after it, then ``--warm`` calls (the clocks ramp up over the first few hundred µs of work),

@@ -228,29 +228,16 @@ def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: flo
     alternating processes each), 30 layers' attention took 14.8-15.5 ms a token at 1k
     against 16.9-18.1 uncompiled (raw 10.7-11.7), and 53.8-55.1 against 58.9-62.5 at 4k
     (raw 32.5-34.5)."""
-    factor, softmax = softmax_for(length)
-    live = kernel_params((length,), mx.int32)
-    return _one_group_traced(scale * factor, softmax)(queries, stacks["codes"], stacks["scales_biases"], live)
+    # One group per row: a row's 8-bit codes are its group (uint32 words of 4 codes).
+    return _traced_decode(queries, stacks, length, scale, scores=_one_group_scores, bits=8,
+                          group_size=stacks["codes"].shape[-1] * 4)
 
 
-@cache
-def _one_group_traced(scale: float, softmax: Callable[[mx.array], mx.array]) -> Callable[..., mx.array]:
-    """``_one_group`` for one query scale and softmax, traced once per buffer shape
-    (``compile_by_shape``): the step's length reaches it as an array, so the trace holds
-    until the buffers grow, and MLX fuses its elementwise ops."""
-    return compile_by_shape(partial(_one_group, scale=scale, softmax=softmax))
-
-
-def _one_group(queries: mx.array, codes: mx.array, scales_biases: mx.array, live: mx.array, *, scale: float,
-               softmax: Callable[[mx.array], mx.array]) -> mx.array:
-    buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
-    q = grouped_queries(queries, codes.shape[2], scale)
+def _one_group_scores(q: mx.array, buffers: Buffers, bits: int) -> mx.array:
+    """``one_group_decode``'s scores: the key codes' bytes cast to float32, then
+    ``q · k_i = s_i (q · c_i) + b_i Σq``."""
     keys = mx.view(buffers["key_codes"], mx.uint8).astype(mx.float32)
-    scores = (keys @ q.swapaxes(-1, -2)) * buffers["key_scales"] + buffers["key_biases"] * q.sum(axis=-1)[..., None, :]
-    value_codes = buffers["value_codes"]
-    out = mx.quantized_matmul(_live_weights(softmax, scores, live), value_codes, buffers["value_scales"],
-                              buffers["value_biases"], transpose=False, group_size=value_codes.shape[-1] * 4, bits=8)
-    return out.reshape(queries.shape)
+    return (keys @ q.swapaxes(-1, -2)) * buffers["key_scales"] + buffers["key_biases"] * q.sum(axis=-1)[..., None, :]
 
 
 def float32_decode(queries: mx.array, stacks: Buffers, length: int, scale: float, *, bits: int,
@@ -264,28 +251,49 @@ def float32_decode(queries: mx.array, stacks: Buffers, length: int, scale: float
     ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements. Like
     ``one_group_decode``, it runs over every allocated slot as one traced call per
     buffer shape, the live length a mask from an array."""
-    factor, softmax = softmax_for(length)
-    live = kernel_params((length,), mx.int32)
-    traced = _planes_traced(scale * factor, softmax, bits, group_size)
-    return traced(queries, stacks["codes"], stacks["scales_biases"], live)
+    return _traced_decode(queries, stacks, length, scale, scores=_planes_scores, bits=bits, group_size=group_size)
 
 
-@cache
-def _planes_traced(scale: float, softmax: Callable[[mx.array], mx.array], bits: int, group_size: int) -> Callable:
-    """``_planes`` for one query scale, softmax and format, traced once per buffer shape."""
-    return compile_by_shape(partial(_planes, scale=scale, softmax=softmax, bits=bits, group_size=group_size))
-
-
-def _planes(queries: mx.array, codes: mx.array, scales_biases: mx.array, live: mx.array, *, scale: float,
-            softmax: Callable[[mx.array], mx.array], bits: int, group_size: int) -> mx.array:
-    buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
-    q = grouped_queries(queries, codes.shape[2], scale)
+def _planes_scores(q: mx.array, buffers: Buffers, bits: int) -> mx.array:
+    """``float32_decode``'s scores: one float32 product per plane of the dequantized keys."""
     planes = codec.dequantize_planes(buffers["key_codes"], buffers["key_scales"], buffers["key_biases"], bits,
                                      mx.float32)
     n = len(planes)
-    scores = reduce(mx.add, [plane @ q[..., k::n].swapaxes(-1, -2) for k, plane in enumerate(planes)])
+    return reduce(mx.add, [plane @ q[..., k::n].swapaxes(-1, -2) for k, plane in enumerate(planes)])
+
+
+Scores = Callable[[mx.array, Buffers, int], mx.array]
+"""A CPU decode step's scores ``[..., slots, heads]`` from the grouped queries, the
+buffers by name and the code bits."""
+
+
+def _traced_decode(queries: mx.array, stacks: Buffers, length: int, scale: float, *, scores: Scores, bits: int,
+                   group_size: int) -> mx.array:
+    """The CPU decode step shared by ``one_group_decode`` and ``float32_decode``: ``scores``,
+    the softmax over the live slots, ``mx.quantized_matmul`` for the values, as one call
+    traced per buffer shape, the live length passed as an array (``kernel_params``)."""
+    factor, softmax = softmax_for(length)
+    live = kernel_params((length,), mx.int32)
+    step = _traced_step(scale * factor, softmax, scores, bits, group_size)
+    return step(queries, stacks["codes"], stacks["scales_biases"], live)
+
+
+@cache
+def _traced_step(scale: float, softmax: Callable[[mx.array], mx.array], scores: Scores, bits: int,
+                 group_size: int) -> Callable[..., mx.array]:
+    """``_step`` for one query scale, softmax, scoring and format, traced once per buffer
+    shape (``compile_by_shape``): the trace holds until the buffers grow, and MLX fuses
+    its elementwise ops."""
+    return compile_by_shape(partial(_step, scale=scale, softmax=softmax, scores=scores, bits=bits,
+                                    group_size=group_size))
+
+
+def _step(queries: mx.array, codes: mx.array, scales_biases: mx.array, live: mx.array, *, scale: float,
+          softmax: Callable[[mx.array], mx.array], scores: Scores, bits: int, group_size: int) -> mx.array:
+    buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
+    q = grouped_queries(queries, codes.shape[2], scale)
     out = mx.quantized_matmul(
-        _live_weights(softmax, scores, live), buffers["value_codes"], buffers["value_scales"],
+        _live_weights(softmax, scores(q, buffers, bits), live), buffers["value_codes"], buffers["value_scales"],
         buffers["value_biases"], transpose=False, group_size=group_size, bits=bits,
     )
     return out.reshape(queries.shape)

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from butter_core.cpu_attention import softmax_for
 from butter_core.kernels import backend, gpu_backend, recorded_builds, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
-from butter_core.cpu_attention import softmax_for
 from butter_core.kernels.dialect import compact
 from butter_core.slots import unstack
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
@@ -106,7 +106,7 @@ def test_one_group_decode_replays_one_trace_while_the_buffers_keep_their_shape()
                                 length=600, dtype=mx.float32)
     stacks = stack({name: inputs[name] for name in BUFFERS})
     factor, softmax = softmax_for(600)
-    traced = ops._one_group_traced(inputs["scale"] * factor, softmax)
+    traced = ops._traced_step(inputs["scale"] * factor, softmax, ops._one_group_scores, 8, 64)
     traced.traces.clear()  # shared with the other tests' calls
     for length in (600, 601, 650):
         out = ops.one_group_decode(inputs["queries"], stacks, length, inputs["scale"])
