@@ -131,23 +131,25 @@ def test_emulated_transpose_is_the_documented_transpose(emulated):
 
 
 @EMULATORS
-@pytest.mark.parametrize("n_splits, dims", [(1, 32), (9, 32), (14, 64)])
+@pytest.mark.parametrize("n_splits, dims", [(1, 32), (9, 32), (14, 64), (70, 128)])
 def test_emulated_split_k_merge_folds_its_parts_like_the_softmax_merge(emulated, n_splits, dims):
-    """``split_k.merge_partials`` (one thread per dimension for each part: 1, 3 and 4 parts
-    here) against the merge written out: every split's sums and accumulators
+    """``split_k.merge_partials`` (one thread per dimension for each part: 1, 3, 4 and 8
+    parts here; with 8, a thread folds its 9 splits in three loaded batches, the last one
+    short) against the merge written out: every split's sums and accumulators
     rescaled to the largest max, splits that saw no key (max -inf) adding nothing."""
     rng = np.random.default_rng(n_splits)
     heads = 2
     maxes = rng.normal(size=(1, heads, n_splits)).astype(np.float32) * 4
     sums = rng.uniform(0.5, 3.0, size=(1, heads, n_splits)).astype(np.float32)
     acc = rng.normal(size=(1, heads, n_splits, dims)).astype(np.float32)
-    if n_splits > 1:  # a split that saw no key
-        maxes[:, :, 1], sums[:, :, 1], acc[:, :, 1] = -np.inf, 0.0, 0.0
+    for empty in {s for s in (1, n_splits - 1) if 0 < s < n_splits}:  # splits that saw no key
+        maxes[:, :, empty], sums[:, :, empty], acc[:, :, empty] = -np.inf, 0.0, 0.0
     with emulated():
         out = split_k.merge_partials(mx.array(acc), mx.array(maxes), mx.array(sums), mx.float32)
     weights = np.where(np.isinf(maxes), 0.0, np.exp2(maxes - maxes.max(axis=-1, keepdims=True)))
     expected = (weights[..., None] * acc).sum(axis=2) / (weights * sums).sum(axis=-1)[..., None]
-    assert split_k.merge_threads(n_splits, dims) == dims * -(-n_splits // split_k.SPLITS_PER_THREAD)
+    parts = min(split_k.MERGE_THREADS // dims, -(-n_splits // split_k.SPLITS_PER_THREAD))
+    assert split_k.merge_threads(n_splits, dims) == dims * parts
     assert np.allclose(np.array(out).reshape(1, heads, dims), expected, rtol=1e-5, atol=1e-6)
 
 

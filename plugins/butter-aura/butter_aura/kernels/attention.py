@@ -23,9 +23,10 @@ from codes, and its own merge):
    values, the query and the keys of the rows its warp scores, its share of the
    splits), scores the full-precision rows (original domain, original query; a warp per
    row), folds each part's share of the splits and of the rows into two online-softmax
-   states (``split_k``'s ``MERGE_HELPERS``), combines the parts, rotates the coded
-   accumulator back once (butterflies in shared memory, then signs), adds the rows' and
-   writes the output in the queries' dtype. Core's generic
+   states (``split_k``'s ``MERGE_HELPERS``), combines the parts; then one warp rotates
+   the coded accumulator back once (butterflies in registers and shuffles, then signs:
+   four barriers in all, where butterflies in shared memory took two per stage), adds
+   the rows' and writes the output in the queries' dtype. Core's generic
    ``merge_partials`` cannot serve here: it has no full-precision rows and no rotation.
 
 Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
@@ -204,12 +205,14 @@ _MERGE = Kernel(
     body="""
   // Template: T (query dtype), F (full-precision row dtype), D, ROWS (full-precision
   // rows). One threadgroup of SPLITK_MERGE_THREADS threads per (batch, query head):
-  // thread t handles dimension d = t % D of part p = t / D. params: [live, sinks].
+  // thread t handles dimension d = t % D of part p = t / D. params: [live, ...]; the
+  // sinks are the rows the recent ring does not hold (from shapes, so the ring's slots
+  // load with everything else, not after params).
   constexpr int PARTS = SPLITK_MERGE_THREADS / D;
   constexpr int WARPS_HERE = SPLITK_MERGE_THREADS / BT_WARP_SIZE;
   constexpr int ROWS_PER_PART = (ROWS + PARTS - 1) / PARTS;
   constexpr int ROWS_PER_WARP = (ROWS + WARPS_HERE - 1) / WARPS_HERE;
-  constexpr int LANE_DIMS = D / BT_WARP_SIZE;
+  constexpr int LANE_DIMS = D / BT_WARP_SIZE;  // of the query, and of the output (warp 0)
   const int n_splits = partial_max_shape[2];
   const int q_heads = queries_shape[1];
   const int kv_heads = fp_keys_shape[1];
@@ -222,7 +225,8 @@ _MERGE = Kernel(
   const int p = t / D;
 
   BT_SHARED float fp_score[ROWS > 0 ? ROWS : 1];
-  BT_SHARED float buf[D];
+  BT_SHARED float coded[D];
+  BT_SHARED float rows[D];
   BT_SHARED float coded_m[PARTS];
   BT_SHARED float coded_l[PARTS];
   BT_SHARED float coded_a[SPLITK_MERGE_THREADS];
@@ -230,14 +234,18 @@ _MERGE = Kernel(
   BT_SHARED float fp_l[PARTS];
   BT_SHARED float fp_a[SPLITK_MERGE_THREADS];
 
-  // Every load that waits on no other goes out first: the step's parameters, this
-  // dimension's sign, this part's rows' values (rows p, p + PARTS, ...; every row lies
+  // Every load that waits on no other goes out first: the step's parameters, warp 0's
+  // signs, this part's rows' values (rows p, p + PARTS, ...; every row lies
   // in the buffer, the unused ones are not added), and the query and keys of the rows
   // this warp scores (rows w, w + WARPS_HERE, ...).
   const int live = params[0];
-  const int sinks = params[1];
+  const int sinks = ROWS - recent_slots_shape[0];
   const float q_scale = scale[0] * 1.4426950408889634f;
-  const float sign = signs[kv_head * D + d];
+  float sign[LANE_DIMS];
+#pragma unroll
+  for (int i = 0; i < LANE_DIMS; ++i) {
+    sign[i] = warp_id == 0 ? signs[kv_head * D + lane_id * LANE_DIMS + i] : 0.0f;
+  }
   float v[ROWS_PER_PART > 0 ? ROWS_PER_PART : 1];
 #pragma unroll
   for (int k = 0; k < ROWS_PER_PART; ++k) {
@@ -289,16 +297,28 @@ _MERGE = Kernel(
   }
   splitk_combine(&m, &l, &a, d, p, PARTS, D, coded_m, coded_l, coded_a);
   splitk_combine(&fm, &fl, &fa, d, p, PARTS, D, fp_m, fp_l, fp_a);
-  // Rotate the coded part back (butterflies, 1/sqrt(D), signs), then add the rows.
+  // Warp 0 rotates the coded part back (butterflies in registers, 1/sqrt(D), signs),
+  // adds the rows' and writes the output: lane i, dimensions i * LANE_DIMS + [0, LANE_DIMS).
   if (p == 0) {
-    buf[d] = a;
+    coded[d] = a;
+    rows[d] = fa;
   }
   BT_BARRIER;
-  aura_fwht_shared<1>(buf, D, D, SPLITK_MERGE_THREADS, t);
-  if (p == 0) {
-    float x = buf[d] / bt_sqrt(static_cast<float>(D)) * sign;
-    splitk_fold_state(&m, &l, &x, fm, fl, fa);
-    out[head * D + d] = bt_from_float<T>(x / l);
+  if (warp_id == 0) {
+    float x[LANE_DIMS];
+#pragma unroll
+    for (int i = 0; i < LANE_DIMS; ++i) {
+      x[i] = coded[lane_id * LANE_DIMS + i];
+    }
+    aura_fwht_warp<LANE_DIMS>(x, static_cast<int>(lane_id));
+#pragma unroll
+    for (int i = 0; i < LANE_DIMS; ++i) {
+      float mi = m;
+      float li = l;
+      float xi = x[i] / bt_sqrt(static_cast<float>(D)) * sign[i];
+      splitk_fold_state(&mi, &li, &xi, fm, fl, rows[lane_id * LANE_DIMS + i]);
+      out[head * D + lane_id * LANE_DIMS + i] = bt_from_float<T>(xi / li);
+    }
   }
 """,
 )

@@ -59,10 +59,12 @@ soon as the scores are done, the value codes into a second buffer (``AHEAD``, se
 work waits on two load latencies: H200, 128k, side by side, aura4v2 0.586x raw SDPA's time
 against 0.629x, chained 0.727x against 0.754x; ``bench/gpu_aura.py --sections ahead``).
 Nothing that a step loads is used in that step: the scales stay float16 until the next
-step converts them, and the value codes move from the second buffer to the first only
-after the next step's scores (a conversion or copy next to the loads made the warp wait
-out the memory latency there every step: H200, 128k, alternating processes, aura4v2
-0.381-0.384x raw SDPA's GPU time chained before, 0.340-0.343x after). Full-precision slots (sinks,
+step converts them (a conversion next to the loads made the warp wait out the memory
+latency there every step: H200, 128k, alternating processes, aura4v2 0.381-0.384x raw
+SDPA's GPU time chained before, 0.340-0.343x after), and the loop takes two steps an
+iteration, the two buffers trading roles, so no copy from one to the other waits on
+loads either (the register allocator had put that copy at the loop's end: 47.7-47.8 µs
+a chained call against 48.2, partials 40.9-41.1 against 41.5-41.6). Full-precision slots (sinks,
 the recent ring) are skipped as in the SIMT kernel: a step wholly inside ``[sinks,
 end)`` and outside the ring's slot range takes no per-key test. After the loop each
 warp's state goes to shared memory (over the tables) and ``mma_write_partials`` merges
@@ -217,10 +219,12 @@ _BODY = """
 
   // Codes and scales of a step (key block b = keys base + 16 b + [0, 16)): the key codes
   // and scales are reloaded for the next step as soon as the scores are done; the value
-  // codes with them into a second buffer (AHEAD), else as soon as the values are done.
+  // codes with them into the other of two buffers (AHEAD), else as soon as the values
+  // are done, into the one buffer. Value codes: keys 2t, 2t+1, 2t+8, 2t+9, this lane's
+  // eighth of their codes (vn is never touched without AHEAD).
   uint32_t kc[BLOCKS][2][KLW];   // keys g and g + 8: this lane's quarter of their codes
-  uint32_t vc[BLOCKS][4][VLW];   // keys 2t, 2t+1, 2t+8, 2t+9: this lane's eighth of their codes
-  uint32_t vn[AHEAD ? BLOCKS : 1][4][VLW];  // AHEAD: value codes in flight (a step ahead of vc)
+  uint32_t vc[BLOCKS][4][VLW];
+  uint32_t vn[BLOCKS][4][VLW];
   // Key scales of keys g and g + 8, and their value scales, as loaded: converted to float
   // only where a step uses them, so no instruction of the step that loads them waits for
   // the load (a conversion at the load stalled the warp there for the whole memory
@@ -257,7 +261,7 @@ _BODY = """
       }
     }
   };
-  auto load_values = [&](int at, uint32_t (*dst)[4][VLW]) {
+  auto load_values = [&](int at, uint32_t (&dst)[BLOCKS][4][VLW]) {
     if (at + KEYS <= block.end) {
       const unsigned char* codes = v_base + static_cast<uint32_t>(at + 2 * t) * static_cast<uint32_t>(VWB);
 #pragma unroll
@@ -280,11 +284,7 @@ _BODY = """
   };
   if (base < block.end) {  // the first step's loads overlap building the tables
     load_keys(base);
-    if constexpr (AHEAD) {
-      load_values(base, vn);
-    } else {
-      load_values(base, vc);
-    }
+    load_values(base, vc);
   }
 
   // The look-up tables: 256 entries of 256 bytes in dynamic shared memory. Entry e holds
@@ -358,8 +358,9 @@ _BODY = """
     o[i] = 0.0f;
   }
 
-  // The loop bound is uniform across the warp: every lane reaches the MMAs and shuffles.
-  for (; base < block.end; base += STEP) {
+  // One warp step: keys base + [0, KEYS), their value codes in `cur`; AHEAD, the next
+  // step's value codes go to `next`. Advances base.
+  auto step = [&](uint32_t (&cur)[BLOCKS][4][VLW], uint32_t (&next)[BLOCKS][4][VLW]) {
     // S^T = K Q^T per key block: A = key levels (rows g and g + 8 = keys g and g + 8),
     // B = the query; C: s[b][0, 1] = key g, heads 2t, 2t+1; s[b][2, 3] = key g + 8.
     // Two accumulation chains per block (even and odd k-steps).
@@ -400,24 +401,10 @@ _BODY = """
         vscale[b][h] = bt_to_float(vs[b][h]);
       }
     }
-    if constexpr (AHEAD) {
-      // This step's value codes, loaded a step ago (copied here, not at the end of the
-      // last step, where the copy would wait for loads issued in that step).
-#pragma unroll
-      for (int b = 0; b < BLOCKS; ++b) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-          for (int w = 0; w < VLW; ++w) {
-            vc[b][i][w] = vn[b][i][w];
-          }
-        }
-      }
-    }
     if (base + STEP < block.end) {
       load_keys(base + STEP);
       if constexpr (AHEAD) {
-        load_values(base + STEP, vn);
+        load_values(base + STEP, next);
       }
     }
 
@@ -458,8 +445,8 @@ _BODY = """
         for (int pair = 0; pair < 2; ++pair) {
 #pragma unroll
           for (int w = 0; w < VLW; ++w) {
-            const uint32_t x = vc[b][2 * pair][w];
-            const uint32_t y = vc[b][2 * pair + 1][w];
+            const uint32_t x = cur[b][2 * pair][w];
+            const uint32_t y = cur[b][2 * pair + 1][w];
             z[pair][0][w] = (x & 0x0F0F0F0Fu) | ((y << 4) & 0xF0F0F0F0u);
             z[pair][1][w] = ((x >> 4) & 0x0F0F0F0Fu) | (y & 0xF0F0F0F0u);
           }
@@ -479,8 +466,8 @@ _BODY = """
             a[2 * pair] = aura_lut_u32(window, z[pair][0], j, v_copy, table_base);
             a[2 * pair + 1] = aura_lut_u32(window, z[pair][1], j, v_copy, table_base);
           } else {
-            const uint32_t* x = vc[b][2 * pair];
-            const uint32_t* y = vc[b][2 * pair + 1];
+            const uint32_t* x = cur[b][2 * pair];
+            const uint32_t* y = cur[b][2 * pair + 1];
             a[2 * pair] = bt_byte_perm(aura_lut_u32(window, x, 2 * j, v_copy, table_base),
                                        aura_lut_u32(window, y, 2 * j, v_copy, table_base), 0x5410u);
             a[2 * pair + 1] = bt_byte_perm(aura_lut_u32(window, x, 2 * j + 1, v_copy, table_base),
@@ -491,7 +478,26 @@ _BODY = """
       }
     }
     if (!AHEAD && base + STEP < block.end) {
-      load_values(base + STEP, vc);
+      load_values(base + STEP, cur);
+    }
+    base += STEP;
+  };
+  // The loop bound is uniform across the warp: every lane reaches the MMAs and shuffles.
+  if constexpr (AHEAD) {
+    // Two steps an iteration, the buffers trading roles. With one step an iteration and a
+    // copy of the codes from the second buffer to the first, the register allocator put
+    // the copy at the loop's end, where it waited for the loads just issued (Nsight
+    // Compute: 13% of the kernel's stall samples on the copy's first instruction).
+    while (base < block.end) {
+      step(vc, vn);
+      if (base >= block.end) {
+        break;
+      }
+      step(vn, vc);
+    }
+  } else {
+    while (base < block.end) {
+      step(vc, vc);
     }
   }
 

@@ -3,7 +3,7 @@
 * ``aura_code``: one code out of a row's packed bit stream (``packing.py``).
 * ``aura_fwht_shared``: Walsh–Hadamard butterflies over values in shared memory, the
   same additions in the same order as ``rotation.fwht``, so kernel and reference rotate
-  bit for bit alike.
+  bit for bit alike; ``aura_fwht_warp`` the same over one warp's registers.
 * ``aura_group_sum``: a sum over aligned groups of threads whose size is only known at
   run time (a scale group may span several warps).
 * ``AuraSlotParams``, ``aura_slot_params`` and ``aura_coded``: the partials kernels'
@@ -79,6 +79,33 @@ BT_FUNC void aura_fwht_shared(BT_SHARED_PTR float* buf, int n, int span, int thr
       }
     }
     BT_BARRIER;
+  }
+}
+
+// The same butterflies over one warp's D = BT_WARP_SIZE * PER values in registers: lane
+// `lane` holds elements lane * PER + [0, PER) in x. No shared memory and no barrier; the
+// same additions in the same order as aura_fwht_shared.
+template <int PER>
+BT_FUNC void aura_fwht_warp(BT_PRIVATE float* x, int lane) {
+#pragma unroll
+  for (int h = 1; h < PER; h *= 2) {
+    float next[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      next[j] = (j & h) ? x[j ^ h] - x[j] : x[j] + x[j ^ h];
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      x[j] = next[j];
+    }
+  }
+#pragma unroll
+  for (int h = 1; h < BT_WARP_SIZE; h *= 2) {
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const float b = bt_shuffle_xor(x[j], h);
+      x[j] = (lane & h) ? b - x[j] : x[j] + b;
+    }
   }
 }
 
