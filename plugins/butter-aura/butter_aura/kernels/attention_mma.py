@@ -197,7 +197,6 @@ _BODY = """
   constexpr int VLB = D / 8 * VB / 8;       // bytes of a value's codes one lane reads
   constexpr int KLW = KLB / 4;
   constexpr int VLW = (VLB + 3) / 4;
-  constexpr int PER = (HEADS * D + THREADS - 1) / THREADS;
   static_assert(HEADS <= 8, "the value MMA has 8 head columns");
 
   const AuraSlotParams slot_params = aura_slot_params(params);
@@ -316,9 +315,23 @@ _BODY = """
   for (int i = thread_rank; i < (1 << VB); i += THREADS) {
     v_lv[i] = value_levels[i];
   }
-  for (int e = thread_rank; e < HEADS * D; e += THREADS) {
-    q_rot[e] = bt_to_float(queries[static_cast<int64_t>(block.first_q_head) * D + e]) *
-               signs[block.kv_head * D + e % D];
+  // Warp w rotates the queries of heads w, w + WARPS, ... in registers (signs, then
+  // butterflies and shuffles; lane i holds coordinates i * D / 32 + [0, D / 32)), with
+  // no barrier: in shared memory the butterflies took two barriers a stage.
+  for (int h = static_cast<int>(warp_id); h < HEADS; h += WARPS) {
+    constexpr int LANE_DIMS = D / BT_WARP_SIZE;
+    const int first = h * D + static_cast<int>(lane_id) * LANE_DIMS;
+    float x[LANE_DIMS];
+#pragma unroll
+    for (int i = 0; i < LANE_DIMS; ++i) {
+      x[i] = bt_to_float(queries[static_cast<int64_t>(block.first_q_head) * D + first + i]) *
+             signs[block.kv_head * D + static_cast<int>(lane_id) * LANE_DIMS + i];
+    }
+    aura_fwht_warp<LANE_DIMS>(x, static_cast<int>(lane_id));
+#pragma unroll
+    for (int i = 0; i < LANE_DIMS; ++i) {
+      q_rot[first + i] = x[i];
+    }
   }
   BT_BARRIER;
   for (int i = thread_rank; i < 256 * 16; i += THREADS) {  // 16-byte stores: 16 per entry
@@ -336,13 +349,13 @@ _BODY = """
     }
     aura_lut[i] = make_uint4(x, y, x, y);
   }
-  aura_fwht_shared<PER>(q_rot, HEADS * D, D, THREADS, static_cast<int>(thread_rank));
+  BT_BARRIER;
 
   // The query as B fragments of the score MMA (butter_core.kernels.mma): head g's pairs
   // 2j and 2j+1 of its key chunk, coordinates t D/4 + 4j + {0, 1} and + {2, 3}.
   const float q_scale = scale[0] * 1.4426950408889634f / bt_sqrt(static_cast<float>(D));
   uint32_t qb[KSTEPS * 2];
-  // (q_rot and the tables are complete here: aura_fwht_shared ends with a barrier.)
+  // (q_rot and the tables are complete here.)
   // This lane's copies: the tables' address with the copy's byte offset in bits 0-7.
   const uint32_t k_copy = table_high | (lane_id * 4);
   const uint32_t v_copy = table_high | (128 + (VB == 2 ? (lane_id % 16) * 8 : lane_id * 4));
