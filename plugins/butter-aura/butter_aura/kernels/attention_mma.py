@@ -13,8 +13,9 @@ float16 inputs, float32 sums), in the transposed layout of ``butter_core.kernels
     Sᵀ[16 keys, heads]  = K_levels[16 keys, D] · Q_rotᵀ        (D / 16 products)
     Oᵀ[16 coords, heads] += V_levelsᵀ[16 coords, 16 keys] · P'ᵀ  (D / 16 products)
 
-* **Scores.** B is the block's rotated query (signs and butterflies in shared memory,
-  times ``scale · log2(e) / √D``) in float16 (``mma_query_fragments``). A is the keys'
+* **Scores.** B is the block's rotated query (signs, then butterflies in a warp's
+  registers, ``aura_fwht_warp``; handed over in shared memory), times
+  ``scale · log2(e) / √D``, in float16 (``mma_query_fragments``). A is the keys'
   codebook *levels*, without the keys' scales: the C fragment's rows (keys) are
   multiplied by their key's scale after the products. ``q · k`` does not change when
   one permutation of the coordinates is applied to both, so lane ``(g, t)`` (``g =
