@@ -187,13 +187,14 @@ def test_full_precision_budget_holds_sinks_and_recent_slots():
     assert relative_error(values[:, :, 10:60], v[:, :, 10:60]) > 0.2  # 2-bit codes elsewhere
 
 
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("window", [None, Window(max_size=100, keep=4)])
 def test_ring_tokens_encoded_late_hold_the_codes_of_an_immediate_encode(dtype, window):
     """Decode-step tokens are coded when they leave the recent ring (``AuraCache.store``):
     token-by-token appends, with or without a wrapping window, end with the same state as
     appends that force every code out at once (a state export after each), and attention
-    in between reads the ring's copies."""
+    in between reads the ring's copies. (float32 tokens: both code the ring's float16
+    copies, as ``test_float32_ring_tokens_hold_the_codes_of_their_float16_copies`` checks.)"""
     layer = spec(dtype, capacity=window.max_size if window else 256)
     late, early = (make_layer_caches(Aura(4, 2), [layer], window)[0] for _ in range(2))
     k, v = normal((1, 2, 180, 64), 20, dtype), normal((1, 2, 180, 64), 21, dtype)
@@ -213,6 +214,24 @@ def test_ring_tokens_encoded_late_hold_the_codes_of_an_immediate_encode(dtype, w
     assert sorted(late_state) == sorted(early_state)
     for name in late_state:
         assert mx.array_equal(late_state[name], early_state[name]).item(), name
+
+
+def test_float32_ring_tokens_hold_the_codes_of_their_float16_copies():
+    """A float32 model's decode tokens are coded from the ring's float16 copies: the state
+    after token-by-token appends equals that of a cache given the float16-rounded tokens."""
+    layer = spec(mx.float32, capacity=256)
+    rounded, late = (make_layer_caches(Aura(4, 2), [layer])[0] for _ in range(2))
+    k, v = normal((1, 2, 120, 64), 23, mx.float32), normal((1, 2, 120, 64), 24, mx.float32)
+    k16, v16 = (x.astype(mx.float16).astype(mx.float32) for x in (k, v))
+    late.append(k[:, :, :20], v[:, :, :20])
+    rounded.append(k[:, :, :20], v[:, :, :20])
+    for t in range(20, 120):
+        late.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        rounded.append(k16[:, :, t : t + 1], v16[:, :, t : t + 1])
+    assert late._unencoded, "no token was left for later"
+    late_state, rounded_state = late.state(), rounded.state()
+    for name in late_state:
+        assert mx.array_equal(late_state[name], rounded_state[name]).item(), name
 
 
 def test_budget_shrinks_to_tiny_capacities():
