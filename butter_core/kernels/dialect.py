@@ -36,6 +36,10 @@ Functions:
                                           (CUDA: ``__ldg``; Metal: a plain load)
     bt_read_if<RO>(p)                     ``bt_read(p)`` when ``RO``, else a plain ``*p`` (for
                                           kernels that make the read-only path a tunable)
+    bt_prefetch_l2(p)                     a hint that the cache line holding ``p`` (an
+                                          input's address) is read soon: CUDA fetches it
+                                          into L2 (``prefetch.global.L2``, nothing held in
+                                          registers); Metal and the emulators do nothing
     bt_reinterpret<V>(p)                  ``p``, a pointer to an input, as a pointer to ``V``
                                           in the same address space (e.g. ``uint4`` for
                                           16-byte loads)
@@ -174,6 +178,7 @@ BT_FUNC float bt_shuffle_xor(float v, int mask) {
 }
 template <typename T> BT_FUNC T bt_read(const device T* p) { return *p; }
 template <bool RO, typename T> BT_FUNC T bt_read_if(const device T* p) { return *p; }
+template <typename P> BT_FUNC void bt_prefetch_l2(P) {}
 template <typename V, typename T> BT_FUNC const device V* bt_reinterpret(const device T* p) {
   return reinterpret_cast<const device V*>(p);
 }
@@ -235,6 +240,11 @@ BT_FUNC float bt_shuffle_xor(float v, int mask) {
 }
 template <typename T> BT_FUNC T bt_read(const T* p) { return __ldg(p); }
 template <bool RO, typename T> BT_FUNC T bt_read_if(const T* p) { return RO ? __ldg(p) : *p; }
+BT_FUNC void bt_prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__
+  asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
+#endif
+}
 template <typename V, typename T> BT_FUNC const V* bt_reinterpret(const T* p) {
   return reinterpret_cast<const V*>(p);
 }

@@ -59,8 +59,9 @@ soon as the scores are done, the value codes into a second buffer (``AHEAD``, se
 ``default_ahead``; without it they wait until the values are done, and a step with little
 work waits on two load latencies: H200, 128k, side by side, aura4v2 0.586x raw SDPA's time
 against 0.629x, chained 0.727x against 0.754x; ``bench/gpu_aura.py --sections ahead``).
-Nothing that a step loads is used in that step: the scales stay float16 until the next
-step converts them (a conversion next to the loads made the warp wait out the memory
+Two steps ahead, each warp's lanes fetch that step's lines into L2 (``PREFETCH``), so
+the loads a step ahead wait on L2, not on memory. Nothing that a step loads is used in
+that step: the scales stay float16 until the next step converts them (a conversion next to the loads made the warp wait out the memory
 latency there every step: H200, 128k, alternating processes, aura4v2 0.381-0.384x raw
 SDPA's GPU time chained before, 0.340-0.343x after), and the loop takes two steps an
 iteration, the two buffers trading roles, so no copy from one to the other waits on
@@ -115,6 +116,13 @@ READ_ONLY_LOADS = True
 ``ld.global.nc``). H200, 128k, paired in one run (2026-11-30): aura4v2 87.5 / 85.6 /
 93.4 / 96.4 µs against 90.6 / 96.1 / 95.9 / 99.7 with plain loads, aura4v4 97.2 / 88.1
 against 104.2 / 91.1; aura8v8 mixed (139.8 / 123.9 against 125.8 / 130.3)."""
+PREFETCH = 2
+"""Steps ahead whose codes and scales each warp fetches into L2 (``prefetch.global.L2``, no
+registers held), so that its loads a step ahead find them there; 0 or 1: none. H200, 128k,
+GPU time by the kernels' stamps, chained calls, both in one process (2026-12-02, 3-4
+rounds): aura4v2 45.7-45.8 µs at 2 against 47.1-47.3 at 0 (3: 46.1, 4: 46.9, 6: 52.0),
+independent 39.0-39.1 against 40.1-40.3; aura4v4 54.3 against 54.8; aura8v4 (no second
+value buffer) 73.3 against 79.0; aura8v8 (one block a step) 90.9 against 90.5."""
 LUT_BYTES = 256 * 256
 """The look-up tables: 256 entries of 256 bytes (32 copies of the key table's 4 bytes, 32
 copies of the value table's 4 bytes or 16 of its 8 bytes)."""
@@ -187,7 +195,8 @@ def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int)
 
 _BODY = """
   // Template: T (query dtype), D, KB, VB (code bits), HEADS, WARPS, BLOCKS (16-key blocks per warp step),
-  // READ_ONLY, AHEAD (value codes loaded a step ahead, into a second buffer), ALIGNED (below).
+  // READ_ONLY, AHEAD (value codes loaded a step ahead, into a second buffer), ALIGNED (below),
+  // PREFETCH (steps ahead fetched into L2; 0 or 1: none).
   // params: [live, sinks, ring, recent_lo, recent_hi]. Scales are float16.
   constexpr int THREADS = WARPS * BT_WARP_SIZE;
   constexpr int KSTEPS = D / 16;            // k-steps of the score MMA
@@ -208,8 +217,10 @@ _BODY = """
   const int t = lane_id % 4;
 
   const int64_t rows = static_cast<int64_t>(block.batch_kv_head) * allocated;
-  const unsigned char* k_base = reinterpret_cast<const unsigned char*>(key_codes) + rows * KWB + t * KLB;
-  const unsigned char* v_base = reinterpret_cast<const unsigned char*>(value_codes) + rows * VWB + g * VLB;
+  const unsigned char* k_rows = reinterpret_cast<const unsigned char*>(key_codes) + rows * KWB;
+  const unsigned char* v_rows = reinterpret_cast<const unsigned char*>(value_codes) + rows * VWB;
+  const unsigned char* k_base = k_rows + t * KLB;
+  const unsigned char* v_base = v_rows + g * VLB;
   const BT_GLOBAL __half* ks_base = key_scales + rows;
   const BT_GLOBAL __half* vs_base = value_scales + rows;
   const int last = block.end - 1;
@@ -282,9 +293,31 @@ _BODY = """
       }
     }
   };
+  // PREFETCH > 1: the step PREFETCH steps ahead is fetched into L2 (its lines spread over
+  // the lanes; none past the split's end), so the loads a step ahead find it there.
+  auto prefetch = [&](int at) {
+    constexpr int KEY_LINES = KEYS * KWB / 128;
+    constexpr int VALUE_LINES = KEYS * VWB / 128;
+    if (PREFETCH > 1 && at < block.end) {
+      const int keys = min(KEYS, block.end - at);
+#pragma unroll
+      for (int i = static_cast<int>(lane_id); i < KEY_LINES + VALUE_LINES + 2; i += BT_WARP_SIZE) {
+        if (i < KEY_LINES) {
+          if (i * 128 < keys * KWB) bt_prefetch_l2(k_rows + static_cast<uint32_t>(at) * KWB + i * 128);
+        } else if (i < KEY_LINES + VALUE_LINES) {
+          if ((i - KEY_LINES) * 128 < keys * VWB) bt_prefetch_l2(v_rows + static_cast<uint32_t>(at) * VWB + (i - KEY_LINES) * 128);
+        } else {
+          bt_prefetch_l2((i == KEY_LINES + VALUE_LINES ? ks_base : vs_base) + at);
+        }
+      }
+    }
+  };
   if (base < block.end) {  // the first step's loads overlap building the tables
     load_keys(base);
     load_values(base, vc);
+  }
+  for (int ahead = 1; ahead < PREFETCH; ++ahead) {
+    prefetch(base + ahead * STEP);
   }
 
   // The look-up tables: 256 entries of 256 bytes in dynamic shared memory. Entry e holds
@@ -378,6 +411,7 @@ _BODY = """
     // S^T = K Q^T per key block: A = key levels (rows g and g + 8 = keys g and g + 8),
     // B = the query; C: s[b][0, 1] = key g, heads 2t, 2t+1; s[b][2, 3] = key g + 8.
     // Two accumulation chains per block (even and odd k-steps).
+    prefetch(base + PREFETCH * STEP);
     float s[BLOCKS][4];
     float s_odd[BLOCKS][4];
 #pragma unroll
@@ -646,6 +680,7 @@ def partials(
     ahead: bool | None = None,
     per_sm: int | None = None,
     aligned: bool | None = None,
+    prefetch: int = PREFETCH,
     splits: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
@@ -683,6 +718,7 @@ def partials(
             ("WARPS", warps), ("BLOCKS", blocks),
             ("READ_ONLY", READ_ONLY_LOADS if read_only is None else read_only),
             ("AHEAD", default_ahead(kc.bits, vc.bits, dims) if ahead is None else ahead), ("ALIGNED", aligned),
+            ("PREFETCH", prefetch),
         ],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
