@@ -61,9 +61,9 @@ work waits on two load latencies: H200, 128k, side by side, aura4v2 0.586x raw S
 against 0.629x, chained 0.727x against 0.754x; ``bench/gpu_aura.py --sections ahead``).
 Two steps ahead, each warp's lanes fetch that step's lines into L2 (``PREFETCH``), so
 the loads a step ahead wait on L2, not on memory. Nothing that a step loads is used in
-that step: the scales stay float16 until the next step converts them (a conversion next to the loads made the warp wait out the memory
-latency there every step: H200, 128k, alternating processes, aura4v2 0.381-0.384x raw
-SDPA's GPU time chained before, 0.340-0.343x after), and the loop takes two steps an
+that step: the scales stay float16 until the next step converts them (a conversion next
+to the loads made the warp wait out the memory latency there every step: H200, 128k,
+alternating processes, aura4v2 0.381-0.384x raw SDPA's GPU time chained before, 0.340-0.343x after), and the loop takes two steps an
 iteration, the two buffers trading roles, so no copy from one to the other waits on
 loads either (the register allocator had put that copy at the loop's end: 47.7-47.8 µs
 a chained call against 48.2, partials 40.9-41.1 against 41.5-41.6). Full-precision slots (sinks,
@@ -680,7 +680,7 @@ def partials(
     ahead: bool | None = None,
     per_sm: int | None = None,
     aligned: bool | None = None,
-    prefetch: int = PREFETCH,
+    prefetch: int | None = None,
     splits: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
@@ -718,7 +718,7 @@ def partials(
             ("WARPS", warps), ("BLOCKS", blocks),
             ("READ_ONLY", READ_ONLY_LOADS if read_only is None else read_only),
             ("AHEAD", default_ahead(kc.bits, vc.bits, dims) if ahead is None else ahead), ("ALIGNED", aligned),
-            ("PREFETCH", prefetch),
+            ("PREFETCH", PREFETCH if prefetch is None else prefetch),
         ],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
