@@ -37,7 +37,8 @@ kernel's ``helpers``):
   barrier that follows the stores.
 
 ``MERGE_HELPERS`` (device functions, dialect only): ``splitk_fold`` (over
-``splitk_fold_state``, one state into another) and ``splitk_combine``, the merge of one
+``splitk_fold_state``, one state into another) and ``splitk_combine`` (over
+``splitk_store_part`` and ``splitk_parts_state``), the merge of one
 (batch, query head)'s split partials by a threadgroup, which the merge kernel and a
 scheme's own merge (AURA's, which folds in full-precision rows) share. The threadgroup
 runs ``parts`` threads per dimension (``merge_threads``): each folds its share of the
@@ -260,33 +261,55 @@ BT_FUNC void splitk_fold(
   *a = aa;
 }
 
+// Stores part p's state at dimension d for the merge of the parts (splitk_parts_state,
+// after a barrier): sm and sl hold `parts` floats, sa parts * dims (shared).
+BT_FUNC void splitk_store_part(
+    float m, float l, float a, int d, int p, int dims,
+    BT_SHARED_PTR float* sm, BT_SHARED_PTR float* sl, BT_SHARED_PTR float* sa) {
+  sa[p * dims + d] = a;
+  if (d == 0) {
+    sm[p] = m;
+    sl[p] = l;
+  }
+}
+
+// The parts' stored states merged, at dimensions d0 + [0, N): *m the largest max, *l the
+// sum and a[N] the accumulators rescaled to it. Any thread may ask, for any dimensions.
+template <int N>
+BT_FUNC void splitk_parts_state(
+    int d0, int parts, int dims, const BT_SHARED_PTR float* sm, const BT_SHARED_PTR float* sl,
+    const BT_SHARED_PTR float* sa, BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* a) {
+  float mm = BT_NEG_INF;
+  for (int q = 0; q < parts; ++q) {
+    mm = sm[q] > mm ? sm[q] : mm;
+  }
+  float ll = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    a[i] = 0.0f;
+  }
+  for (int q = 0; q < parts; ++q) {
+    const float w = sm[q] == BT_NEG_INF ? 0.0f : bt_exp2(sm[q] - mm);
+    ll += w * sl[q];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      a[i] += w * sa[q * dims + d0 + i];
+    }
+  }
+  *m = mm;
+  *l = ll;
+}
+
 // Merges the states of the parts (every thread of the threadgroup calls it: it holds a
 // barrier); afterwards the threads of part 0 (t < dims) hold the merged state of their
 // dimension. sm and sl hold `parts` floats, sa parts * dims (shared).
 BT_FUNC void splitk_combine(
     BT_PRIVATE float* m, BT_PRIVATE float* l, BT_PRIVATE float* a, int d, int p, int parts, int dims,
     BT_SHARED_PTR float* sm, BT_SHARED_PTR float* sl, BT_SHARED_PTR float* sa) {
-  sa[p * dims + d] = *a;
-  if (d == 0) {
-    sm[p] = *m;
-    sl[p] = *l;
-  }
+  splitk_store_part(*m, *l, *a, d, p, dims, sm, sl, sa);
   BT_BARRIER;
   if (p == 0) {
-    float mm = BT_NEG_INF;
-    for (int q = 0; q < parts; ++q) {
-      mm = sm[q] > mm ? sm[q] : mm;
-    }
-    float ll = 0.0f;
-    float aa = 0.0f;
-    for (int q = 0; q < parts; ++q) {
-      const float w = sm[q] == BT_NEG_INF ? 0.0f : bt_exp2(sm[q] - mm);
-      ll += w * sl[q];
-      aa += w * sa[q * dims + d];
-    }
-    *m = mm;
-    *l = ll;
-    *a = aa;
+    splitk_parts_state<1>(d, parts, dims, sm, sl, sa, m, l, a);
   }
 }
 """

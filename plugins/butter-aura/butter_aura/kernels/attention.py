@@ -225,14 +225,11 @@ _MERGE = Kernel(
   const int p = t / D;
 
   BT_SHARED float fp_score[ROWS > 0 ? ROWS : 1];
-  BT_SHARED float coded[D];
-  BT_SHARED float rows[D];
-  BT_SHARED float coded_m[PARTS];
-  BT_SHARED float coded_l[PARTS];
-  BT_SHARED float coded_a[SPLITK_MERGE_THREADS];
-  BT_SHARED float fp_m[PARTS];
-  BT_SHARED float fp_l[PARTS];
-  BT_SHARED float fp_a[SPLITK_MERGE_THREADS];
+  // The parts' states: the coded part's at [0, PARTS) (accumulators [0, PARTS * D)), the
+  // rows' after them.
+  BT_SHARED float part_m[2 * PARTS];
+  BT_SHARED float part_l[2 * PARTS];
+  BT_SHARED float part_a[2 * SPLITK_MERGE_THREADS];
 
   // Every load that waits on no other goes out first: the step's parameters, warp 0's
   // signs, this part's rows' values (rows p, p + PARTS, ...; every row lies
@@ -295,29 +292,28 @@ _MERGE = Kernel(
     const int r = p + k * PARTS;
     splitk_fold_state(&fm, &fl, &fa, r < ROWS ? fp_score[r] : BT_NEG_INF, 1.0f, v[k]);
   }
-  splitk_combine(&m, &l, &a, d, p, PARTS, D, coded_m, coded_l, coded_a);
-  splitk_combine(&fm, &fl, &fa, d, p, PARTS, D, fp_m, fp_l, fp_a);
-  // Warp 0 rotates the coded part back (butterflies in registers, 1/sqrt(D), signs),
-  // adds the rows' and writes the output: lane i, dimensions i * LANE_DIMS + [0, LANE_DIMS).
-  if (p == 0) {
-    coded[d] = a;
-    rows[d] = fa;
-  }
+  splitk_store_part(m, l, a, d, p, D, part_m, part_l, part_a);
+  splitk_store_part(fm, fl, fa, d, p, D, part_m + PARTS, part_l + PARTS, part_a + PARTS * D);
   BT_BARRIER;
+  // Warp 0 merges the parts for its lanes' dimensions (lane i: i * LANE_DIMS + [0,
+  // LANE_DIMS)), rotates the coded part back (butterflies in registers, 1/sqrt(D), signs),
+  // adds the rows' and writes the output: one barrier after the parts' stores, where a
+  // merge of the parts per dimension and a hand-over to warp 0 took three.
   if (warp_id == 0) {
+    const int first = static_cast<int>(lane_id) * LANE_DIMS;
     float x[LANE_DIMS];
-#pragma unroll
-    for (int i = 0; i < LANE_DIMS; ++i) {
-      x[i] = coded[lane_id * LANE_DIMS + i];
-    }
+    float rows[LANE_DIMS];
+    splitk_parts_state<LANE_DIMS>(first, PARTS, D, part_m, part_l, part_a, &m, &l, x);
+    splitk_parts_state<LANE_DIMS>(first, PARTS, D, part_m + PARTS, part_l + PARTS, part_a + PARTS * D, &fm, &fl,
+                                  rows);
     aura_fwht_warp<LANE_DIMS>(x, static_cast<int>(lane_id));
 #pragma unroll
     for (int i = 0; i < LANE_DIMS; ++i) {
       float mi = m;
       float li = l;
       float xi = x[i] / bt_sqrt(static_cast<float>(D)) * sign[i];
-      splitk_fold_state(&mi, &li, &xi, fm, fl, rows[lane_id * LANE_DIMS + i]);
-      out[head * D + lane_id * LANE_DIMS + i] = bt_from_float<T>(xi / li);
+      splitk_fold_state(&mi, &li, &xi, fm, fl, rows[i]);
+      out[head * D + first + i] = bt_from_float<T>(xi / li);
     }
   }
 """,
