@@ -36,11 +36,13 @@ kernel's ``helpers``):
   tensor-core kernels of ``butter_core.kernels.mma``): every thread calls it after a
   barrier that follows the stores.
 
-``MERGE_HELPERS`` (device functions, dialect only): ``splitk_fold`` (over
-``splitk_fold_state``, one state into another) and ``splitk_combine`` (over
-``splitk_store_part`` and ``splitk_parts_state``), the merge of one
-(batch, query head)'s split partials by a threadgroup, which the merge kernel and a
-scheme's own merge (AURA's, which folds in full-precision rows) share. The threadgroup
+``MERGE_HELPERS`` (device functions, dialect only): the merge of one (batch, query
+head)'s split partials by a threadgroup. ``splitk_fold`` (over ``splitk_fold_state``,
+one state into another) folds a part's splits; ``splitk_combine`` merges the parts:
+``splitk_store_part``, a barrier, ``splitk_parts_state``. The merge kernel calls
+``splitk_fold`` and ``splitk_combine``; a scheme's own merge may call the pieces (AURA's
+folds in full-precision rows too, and after one barrier its warp 0 merges the parts for
+its own lanes' dimensions with ``splitk_parts_state``). The threadgroup
 runs ``parts`` threads per dimension (``merge_threads``): each folds its share of the
 splits into an online-softmax state, its loads independent of each other, and the
 parts' states meet in shared memory. A
