@@ -41,6 +41,7 @@ from butter_core.generation import Generation, GenerationStats, format_bytes
 from butter_core.kernels.backend import default_device_is_gpu
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
+from butter_core.progress import Progress
 from butter_core.tokenizer import Tokenizer
 
 BASELINE = Raw()
@@ -159,9 +160,18 @@ def run_metadata(model_name: str, **settings) -> dict:
 
 
 def check_output_path(path: str | None, flag: str) -> None:
-    """Fail before a long run, not after it, when ``path``'s directory does not exist."""
-    if path is not None and not Path(path).resolve().parent.is_dir():
-        raise ConfigError(f"{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
+    """Fail before a long run, not after it, when ``path`` could not be written: a directory,
+    in a directory that does not exist, or not writable."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.resolve().parent
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable")
 
 
 def write_json(path: str | os.PathLike, metadata: dict, rows: Sequence[dict]) -> None:
@@ -170,40 +180,6 @@ def write_json(path: str | os.PathLike, metadata: dict, rows: Sequence[dict]) ->
         Path(path).write_text(json.dumps({"metadata": metadata, "results": list(rows)}, indent=2) + "\n")
     except OSError as exc:
         raise ConfigError(f"--json {path}: {exc.strerror or exc}") from exc
-
-
-class Progress:
-    """A progress bar: ``bench [#########-----------] 5/12 affine8 @ 1024``.
-
-    Redrawn in place on a terminal; elsewhere (a log file, a test) one line per step;
-    with ``stream=None``, silent.
-    """
-
-    def __init__(self, total: int, title: str, stream: TextIO | None, width: int = 20):
-        self.total, self.title, self.width = total, title, width
-        self.stream = stream
-        self.done = 0
-        self.in_place = stream is not None and stream.isatty()
-
-    def step(self, label: str) -> None:
-        """Show that the step ``label`` starts (``done`` steps are finished)."""
-        self._draw(label)
-        self.done += 1
-
-    def finish(self) -> None:
-        """Draw the full bar and end the line."""
-        self.done = self.total
-        self._draw("done")
-        if self.in_place:
-            self.stream.write("\n")
-
-    def _draw(self, label: str) -> None:
-        if self.stream is None:
-            return
-        filled = self.width * self.done // max(self.total, 1)
-        line = f"{self.title} [{'#' * filled}{'-' * (self.width - filled)}] {self.done}/{self.total} {label}"
-        self.stream.write(f"\r{line}\x1b[K" if self.in_place else line + "\n")
-        self.stream.flush()
 
 
 # -- butter bench ------------------------------------------------------------------

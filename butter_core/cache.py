@@ -55,6 +55,28 @@ class LayerSpec:
         return attrs.evolve(self, max_positions=max_positions)
 
 
+def check_chunk(spec: LayerSpec, keys: mx.array, values: mx.array, queries: mx.array | None = None) -> None:
+    """Raise ConfigError unless ``keys`` and ``values`` are ``[batch, n_kv_heads, tokens, head_dim]``
+    of the layer ``spec`` describes (and ``queries``, if given, ``[batch, n_q_heads, tokens,
+    head_dim]`` with ``n_q_heads`` a multiple of ``n_kv_heads``): a chunk of another shape would
+    otherwise fail inside MLX, or be stored where it does not belong."""
+    batch, heads, dims = spec.batch_size, spec.n_kv_heads, spec.head_dim
+    expected = f"[batch {batch}, kv heads {heads}, tokens, head_dim {dims}]"
+    for name, array in (("keys", keys), ("values", values)):
+        shape = tuple(array.shape)
+        if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (batch, heads, dims):
+            raise ConfigError(f"layer {spec.layer_index}: {name} of shape {list(shape)}; this cache holds {expected}")
+    if keys.shape[2] != values.shape[2]:
+        raise ConfigError(f"layer {spec.layer_index}: {keys.shape[2]} keys but {values.shape[2]} values")
+    if queries is not None:
+        shape = tuple(queries.shape)
+        if len(shape) != 4 or shape[1] % heads or (shape[0], shape[2], shape[3]) != (batch, keys.shape[2], dims):
+            raise ConfigError(
+                f"layer {spec.layer_index}: queries of shape {list(shape)} for {keys.shape[2]} keys; expected "
+                f"[batch {batch}, a multiple of {heads} heads, {keys.shape[2]} tokens, head_dim {dims}]"
+            )
+
+
 def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask = None) -> mx.array:
     """Plain attention in float32 with GQA, the yardstick every scheme is checked against."""
     q = queries.astype(mx.float32)
@@ -101,6 +123,11 @@ class LayerCache(ABC):
     @abstractmethod
     def absolute_position(self) -> int:
         """Positions appended so far, never decreasing under eviction: the next token's RoPE offset."""
+
+    @property
+    def capacity(self) -> int | None:
+        """The most positions this cache can take from the start (None: no bound, eviction makes room)."""
+        return self.spec.max_positions
 
     @abstractmethod
     def update_and_attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float) -> mx.array:
@@ -195,10 +222,6 @@ class SlotCache(LayerCache):
     # -- the LayerCache API, built on the primitives ----------------------------
 
     @property
-    def capacity(self) -> int:
-        return self.spec.max_positions
-
-    @property
     def length(self) -> int:
         return self._length
 
@@ -220,10 +243,12 @@ class SlotCache(LayerCache):
         self._length = max(self._length, start + tokens)
 
     def append(self, keys, values):
+        check_chunk(self.spec, keys, values)
         self.write(self._length, keys, values)
 
     def update_and_attend(self, queries, keys, values, *, scale):
-        self.append(keys, values)
+        check_chunk(self.spec, keys, values, queries)
+        self.write(self._length, keys, values)
         return self.attention(queries, scale=scale, mask="causal" if queries.shape[2] > 1 else None)
 
     def prepare_for_attention(self):

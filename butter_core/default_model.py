@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TextIO
 
 from butter_core.errors import ModelLoadError
 from butter_core.loading.gguf import cached_conversion_dir, convert_gguf_cached, file_sha256
@@ -37,8 +38,9 @@ def default_model_gguf() -> Path:
     return path
 
 
-def default_model_dir() -> Path:
-    """The default model as an MLX model directory, converted on first use."""
+def default_model_dir(progress_stream: TextIO | None = None) -> Path:
+    """The default model as an MLX model directory, converted on first use (its progress shown
+    on ``progress_stream``; None: silent)."""
     converted = cached_conversion_dir(DEFAULT_MODEL_SHA256)
     if converted.is_dir():
         return converted
@@ -49,4 +51,4 @@ def default_model_dir() -> Path:
             f"{path}: sha256 {digest} is not the expected {DEFAULT_MODEL_SHA256}; "
             f"the file is damaged or another version; reinstall it with: {REINSTALL_COMMAND}"
         )
-    return convert_gguf_cached(path, sha256=digest)
+    return convert_gguf_cached(path, sha256=digest, progress_stream=progress_stream)

@@ -15,10 +15,11 @@ batched pass through every layer, never one token at a time.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from butter_core.cache import LayerCache, LayerSpec
 from butter_core.config import LoadOptions, Window
@@ -36,6 +37,14 @@ TokenIds = Sequence[int] | mx.array
 
 class PositionError(ButterError, ValueError):
     """``forward_sample`` was given a position that is not where the caches continue."""
+
+
+class TokenIdError(ConfigError):
+    """Token ids that are not one sequence of integers in the model's vocabulary."""
+
+
+class ContextLengthError(ConfigError):
+    """More positions than the caches can hold (checked before the work starts)."""
 
 
 @attrs.frozen
@@ -83,15 +92,41 @@ class Engine:
             layer_windows=windows if any(windows) else None,
         )
 
-    def forward(self, token_ids: TokenIds, caches: Sequence[LayerCache], *, all_logits: bool = False) -> mx.array:
+    def forward(
+        self,
+        token_ids: TokenIds,
+        caches: Sequence[LayerCache],
+        *,
+        all_logits: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> mx.array:
         """Append ``token_ids`` to ``caches`` and return the next-token logits.
 
         Returns the last position's logits ``[vocab]``, or every position's
         ``[tokens, vocab]`` with ``all_logits``. The result is lazy (``mx.eval`` it);
-        chunks before the last are evaluated as they go.
+        chunks before the last are evaluated as they go, and ``progress(done, total)``
+        is called after each of them (tokens done so far, tokens in all).
+
+        The ids are checked first (see ``token_ids``), and so is the room the caches
+        have left: nothing is appended unless all of them fit.
         """
-        ids = self._ids(token_ids)
-        self._check_caches(caches)
+        ids = self.token_ids(token_ids)
+        self.check_caches(caches)
+        self.check_room(caches, ids.size, f"{ids.size} token ids")
+        return self.run(ids, caches, all_logits=all_logits, progress=progress)
+
+    def run(
+        self,
+        ids: mx.array,
+        caches: Sequence[LayerCache],
+        *,
+        all_logits: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> mx.array:
+        """``forward`` without its checks, for ids already checked (``token_ids``, ``check_room``)
+        or drawn by a ``Sampler`` from this model's logits: nothing waits for ``ids`` to be
+        computed, so a decode loop queues its next step before the sampled token reaches Python."""
+        ids = ids.reshape(-1)
         outputs = []
         for start in range(0, ids.size, self.prefill_chunk):
             hidden = self.network.hidden_states(ids[None, start : start + self.prefill_chunk], caches)
@@ -102,13 +137,15 @@ class Engine:
                 outputs.append(self.network.logits(hidden[:, -1])[0])
             if not last_chunk:
                 mx.eval(outputs, hidden)
+                if progress is not None:
+                    progress(start + self.prefill_chunk, ids.size)
         return mx.concatenate(outputs) if all_logits else outputs[0]
 
     def forward_sample(
         self, token_id: int, position: int, caches: Sequence[LayerCache], sampler: Sampler | None = None
     ) -> int:
         """Append one token at ``position`` (which must be where ``caches`` continue) and sample the next."""
-        self._check_caches(caches)
+        self.check_caches(caches)
         expected = caches[0].absolute_position
         if position != expected:
             raise PositionError(
@@ -119,8 +156,10 @@ class Engine:
 
     def layer_trace(self, token_ids: TokenIds, caches: Sequence[LayerCache]) -> list[LayerTiming]:
         """Run one forward pass layer by layer, timing each (evaluated in turn)."""
-        self._check_caches(caches)
-        hidden = self.network.embed(self._ids(token_ids)[None])
+        self.check_caches(caches)
+        ids = self.token_ids(token_ids)
+        self.check_room(caches, ids.size, f"{ids.size} token ids")
+        hidden = self.network.embed(ids[None])
         mx.eval(hidden)
         timings = []
         for index, (layer, cache) in enumerate(zip(self.network.layers, caches)):
@@ -130,13 +169,61 @@ class Engine:
             timings.append(LayerTiming(index, time.perf_counter() - start, tuple(hidden.shape)))
         return timings
 
-    def _ids(self, token_ids: TokenIds) -> mx.array:
-        ids = (token_ids if isinstance(token_ids, mx.array) else mx.array(token_ids, dtype=mx.uint32)).reshape(-1)
-        if ids.size == 0:
-            raise ConfigError("forward needs at least one token id")
-        return ids
+    def token_ids(self, token_ids: TokenIds) -> mx.array:
+        """``token_ids`` as a flat ``uint32`` array, after checking that they are one sequence
+        (a list or 1-D array; a 0-D array is one token) of integers in ``[0, vocab_size)``.
 
-    def _check_caches(self, caches: Sequence[LayerCache]) -> None:
+        Anything else raises ``TokenIdError``: an id outside the embedding table would be
+        read from memory past it, and a float or nested list would be silently truncated
+        or flattened. An ``mx.array`` is evaluated for the range check.
+        """
+        vocab = self.network.args.vocab_size
+        if isinstance(token_ids, mx.array):
+            ids, integers = token_ids, mx.issubdtype(token_ids.dtype, mx.integer)
+        else:
+            try:
+                ids = np.asarray(token_ids)
+            except (TypeError, ValueError) as exc:  # ragged nested lists
+                raise TokenIdError(f"token ids must be one sequence of integers; got {_preview(token_ids)}") from exc
+            integers = ids.dtype.kind in "iu"  # not bool ("b"), float, str or object
+        if ids.ndim > 1:
+            raise TokenIdError(
+                f"token ids must be one sequence (a list or 1-D array), got shape {list(ids.shape)}; "
+                "feed each sequence through its own caches"
+            )
+        if ids.size == 0:
+            raise TokenIdError("forward needs at least one token id")
+        if not integers:
+            raise TokenIdError(f"token ids must be integers; got {_preview(token_ids)} ({ids.dtype})")
+        low, high = (int(x.item()) for x in (ids.min(), ids.max()))
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise TokenIdError(f"token id {bad} is out of range: this model's ids are 0..{vocab - 1}")
+        return (ids if isinstance(ids, mx.array) else mx.array(ids)).astype(mx.uint32).reshape(-1)
+
+    def check_room(self, caches: Sequence[LayerCache], tokens: int, what: str) -> None:
+        """Raise ``ContextLengthError``, before any work, when ``tokens`` more positions do not fit
+        ``caches`` (``what`` names them: "the prompt's 8301 tokens and --max-tokens 256")."""
+        limits = [cache.capacity for cache in caches if cache.capacity is not None]
+        held = caches[0].absolute_position if caches else 0
+        if not limits or held + tokens <= min(limits):
+            return
+        capacity = min(limits)
+        cap = self.options.max_context_length
+        source = (
+            f"--max-context {cap} (max_context_length)"
+            if cap
+            else f"the model's max_position_embeddings, {self.network.args.max_position_embeddings}"
+        )
+        already = f" after the {held} positions the caches already hold" if held else ""
+        raise ContextLengthError(
+            f"{what} need {held + tokens} positions{already}, but the KV cache holds {capacity} ({source}): "
+            "shorten the prompt, lower --max-tokens, raise --max-context, or evict old positions with "
+            "--kv-window-size"
+        )
+
+    def check_caches(self, caches: Sequence[LayerCache]) -> None:
+        """Raise ConfigError unless ``caches`` has one cache per layer."""
         layers = self.network.args.num_hidden_layers
         if len(caches) != layers:
             raise ConfigError(
@@ -147,3 +234,8 @@ class Engine:
 def cache_windows(caches: Sequence[LayerCache]) -> list[Window | None]:
     """The window each cache evicts to (None where unbounded): what a full recompute must mask to match."""
     return [cache.window if isinstance(cache, WindowCache) else None for cache in caches]
+
+
+def _preview(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

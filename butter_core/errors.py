@@ -13,8 +13,12 @@ class UnknownSchemeError(ConfigError):
     """A KV cache scheme was asked for that no installed plugin provides."""
 
 
+class AmbiguousSchemeError(ConfigError):
+    """A scheme name, CLI string or eviction that more than one installed plugin claims."""
+
+
 class PluginError(ButterError):
-    """A plugin could not be loaded or registered."""
+    """A plugin could not be loaded or registered, or its code failed (the message names its distribution)."""
 
 
 class ModelLoadError(ButterError):
@@ -23,3 +27,7 @@ class ModelLoadError(ButterError):
 
 class ChatTemplateError(ButterError, ValueError):
     """A model's chat template rejected the messages, or failed to render them."""
+
+
+class ButterWarning(UserWarning):
+    """Something butter accepted but that the user should know about (a context beyond what the model was trained on)."""

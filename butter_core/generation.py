@@ -10,7 +10,7 @@ sampled token, the stop token included; the next turn continues at
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Literal
 
 import attrs
@@ -79,16 +79,23 @@ class Generation:
         sampler: Sampler | None = None,
         max_tokens: int = 256,
         stop_ids: Collection[int] = (),
+        prefill_progress: Callable[[int, int], None] | None = None,
     ):
-        if not isinstance(max_tokens, int) or max_tokens <= 0:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise ConfigError(f"max_tokens (--max-tokens) must be a positive integer, got {max_tokens!r}")
+        if (prompt_ids.size if isinstance(prompt_ids, mx.array) else len(prompt_ids)) == 0:
+            raise ConfigError("the prompt is empty: generation needs at least one prompt token")
         self.engine = engine
-        self.prompt_ids = prompt_ids
+        self.prompt_ids = engine.token_ids(prompt_ids)
+        engine.check_caches(caches)
+        prompt = self.prompt_ids.size
+        engine.check_room(caches, prompt + max_tokens, f"the prompt's {prompt} tokens and --max-tokens {max_tokens}")
         self.caches = caches
         self.sampler = sampler or GREEDY
         self.max_tokens = max_tokens
         self.stop_ids = frozenset(stop_ids)
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.prefill_progress = prefill_progress
+        self.stats = GenerationStats(prompt_tokens=prompt)
         self._started = False
 
     def __iter__(self) -> Iterator[int]:
@@ -98,11 +105,11 @@ class Generation:
         engine, stats, sample = self.engine, self.stats, self.sampler
         mx.reset_peak_memory()
         start = time.perf_counter()
-        token = sample(engine.forward(self.prompt_ids, self.caches))
+        token = sample(engine.run(self.prompt_ids, self.caches, progress=self.prefill_progress))
         first_token_at, pending = start, token
         try:
             for count in range(1, self.max_tokens + 1):
-                pending = sample(engine.forward(token, self.caches))
+                pending = sample(engine.run(token, self.caches))
                 mx.async_eval(pending)
                 token_id = token.item()
                 now = time.perf_counter()

@@ -6,10 +6,12 @@ objects whose methods the decode loop calls directly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from butter_core.cache import LayerCache, LayerSpec
 from butter_core.config import CacheKind, Eviction, Window
+from butter_core.errors import ConfigError
 from butter_core.plugins import PluginHost, get_plugin_host
 
 
@@ -27,17 +29,11 @@ def make_layer_caches(
     attention layers); where a layer has one and ``eviction`` is also a ``Window``, the
     smaller wins; another eviction policy yields to the family's window on that layer.
     """
+    _check_arguments(kind, specs, eviction, layer_windows)
     host = host or get_plugin_host()
-    scheme = host.scheme_for(kind)
-    for spec in specs:
-        kind.check_layer(spec.head_dim)
+    host.scheme_for(kind)  # an unknown scheme is named before any cache is made
     windows = [_tighter(eviction, w) for w in (layer_windows or [None] * len(specs))]
-
-    def create(selected_specs):
-        caches = scheme.create(kind, selected_specs)
-        if len(caches) != len(selected_specs):
-            raise RuntimeError(f"scheme {scheme.name!r} made {len(caches)} caches for {len(selected_specs)} layers")
-        return caches
+    create = functools.partial(host.create_caches, kind)
 
     caches: list[LayerCache | None] = [None] * len(specs)
     groups: dict[Eviction | None, list[int]] = {}
@@ -45,10 +41,25 @@ def make_layer_caches(
         groups.setdefault(window, []).append(index)
     for window, indices in groups.items():
         group_specs = [specs[i] for i in indices]
-        made = create(group_specs) if window is None else host.eviction_for(window).wrap(window, create, group_specs)
+        made = create(group_specs) if window is None else host.wrap_caches(window, create, group_specs)
         for i, cache in zip(indices, made):
             caches[i] = cache
     return caches
+
+
+def _check_arguments(kind, specs, eviction, layer_windows) -> None:
+    if not isinstance(kind, CacheKind):
+        hint = f"; to parse the string use parse_kv_cache({kind!r})" if isinstance(kind, str) else ""
+        raise ConfigError(
+            f"make_layer_caches: kind must be a CacheKind (Raw(), Affine(bits=8), a plugin's kind), "
+            f"got {kind!r} ({type(kind).__name__}){hint}"
+        )
+    if not isinstance(specs, Sequence) or not all(isinstance(spec, LayerSpec) for spec in specs):
+        raise ConfigError(f"make_layer_caches: specs must be a list of LayerSpec, one per layer; got {specs!r}")
+    if eviction is not None and not isinstance(eviction, Eviction):
+        raise ConfigError(f"make_layer_caches: eviction must be None, Window(max_size, keep) or a plugin's Eviction; got {eviction!r}")
+    if layer_windows is not None and len(layer_windows) != len(specs):
+        raise ConfigError(f"make_layer_caches: {len(layer_windows)} layer_windows for {len(specs)} specs")
 
 
 def _tighter(eviction: Eviction | None, layer: Window | None) -> Eviction | None:

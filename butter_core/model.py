@@ -11,13 +11,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Sequence
+import warnings
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from butter_core.cache import LayerCache
 from butter_core.config import LoadOptions
 from butter_core.engine import Engine, TokenIds
-from butter_core.errors import ConfigError, ModelLoadError
+from butter_core.errors import ButterWarning, ConfigError, ModelLoadError
 from butter_core.generation import Generation
 from butter_core.loading.resolve import resolve_model
 from butter_core.loading.weights import WeightOptions, WeightSummary, load_network
@@ -46,23 +48,33 @@ class Model:
         options: LoadOptions | None = None,
         *,
         weights: WeightOptions | None = None,
+        progress_stream: TextIO | None = None,
     ) -> Model:
         """Load a model directory, ``.gguf`` file or Hugging Face repo id (None: the built-in default model).
 
         ``options`` chooses the KV cache scheme, eviction and context cap; ``weights``
         how checkpoint weights are kept (see ``WeightOptions``: by default dequantized
-        to float32 on the CPU, as stored on a GPU).
+        to float32 on the CPU, as stored on a GPU). A GGUF file's first conversion shows
+        its progress on ``progress_stream`` (None: silent).
         """
         options = options or LoadOptions()
         if not isinstance(options, LoadOptions):
             raise ConfigError(f"options must be a butter_core.LoadOptions, got {type(options).__name__}")
-        path = resolve_model(path_or_id)
+        path = resolve_model(path_or_id, progress_stream=progress_stream)
         network, summary = load_network(path, weights or WeightOptions())
         tokenizer = Tokenizer.from_dir(path)
         if tokenizer.vocab_size > network.args.vocab_size:
             raise ModelLoadError(
                 f"{path / 'tokenizer.json'}: the tokenizer has {tokenizer.vocab_size} tokens but config.json's "
                 f"vocab_size is {network.args.vocab_size}"
+            )
+        trained = network.args.max_position_embeddings
+        if options.max_context_length and options.max_context_length > trained:
+            warnings.warn(
+                f"--max-context {options.max_context_length} (max_context_length) is beyond the {trained} positions "
+                f"the model was trained on (max_position_embeddings): output degrades past position {trained}",
+                ButterWarning,
+                stacklevel=2,
             )
         return cls(network, tokenizer, options, path, summary)
 
@@ -81,9 +93,14 @@ class Model:
         sampler: Sampler | None = None,
         max_tokens: int = 256,
         stop_ids: Collection[int] | None = None,
+        prefill_progress: Callable[[int, int], None] | None = None,
     ) -> Generation:
         """Stream tokens after ``prompt_ids`` (fresh caches unless given) until a stop id (default: the
-        model's end-of-sequence ids) or ``max_tokens``."""
+        model's end-of-sequence ids) or ``max_tokens``; ``prefill_progress(done, total)`` follows a
+        long prompt's prefill chunk by chunk."""
         caches = self.engine.make_layer_caches() if caches is None else caches
         stop_ids = self.tokenizer.eos_token_ids if stop_ids is None else stop_ids
-        return Generation(self.engine, prompt_ids, caches, sampler=sampler, max_tokens=max_tokens, stop_ids=stop_ids)
+        return Generation(
+            self.engine, prompt_ids, caches, sampler=sampler, max_tokens=max_tokens, stop_ids=stop_ids,
+            prefill_progress=prefill_progress,
+        )  # fmt: skip

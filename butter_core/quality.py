@@ -29,12 +29,13 @@ from typing import TextIO
 import attrs
 import mlx.core as mx
 
-from butter_core.benchmark import BASELINE, Progress, check_positions, engine_for
+from butter_core.benchmark import BASELINE, check_positions, engine_for
 from butter_core.cache import LayerCache
 from butter_core.config import CacheKind
 from butter_core.engine import Engine
 from butter_core.errors import ConfigError
 from butter_core.model import Model
+from butter_core.progress import Progress
 from butter_core.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 2048

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.cache import LayerCache, SlotCache, attend
+from butter_core.cache import LayerCache, SlotCache, attend, check_chunk
 from butter_core.config import Window
 from butter_core.errors import ConfigError
 from butter_core.hookspecs import hookimpl
@@ -79,10 +79,16 @@ class WindowCache(LayerCache):
     def absolute_position(self) -> int:
         return self._position
 
+    @property
+    def capacity(self) -> None:
+        return None
+
     def append(self, keys, values):
+        check_chunk(self.spec, keys, values)
         self._commit(keys, values)
 
     def update_and_attend(self, queries, keys, values, *, scale):
+        check_chunk(self.spec, keys, values, queries)
         tokens, first = keys.shape[2], self._position
         if first + tokens <= self.window.max_size or tokens == 1:
             # Slots still equal positions, or one token replacing the oldest ring slot:

@@ -91,6 +91,8 @@ def test_every_installed_scheme_runs(capsys, model_path, tmp_path):
         (["--decode-tokens", "1"], "--decode-tokens must be at least 2"),
         (["--plot", "/nonexistent-dir/bench.png"], "does not exist"),
         (["--json", "/nonexistent-dir/bench.json"], "does not exist"),
+        (["--json", "/tmp"], "--json /tmp: is a directory; give a file name"),
+        (["--plot", "/"], "--plot /: is a directory"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, model_path, flags, message):

@@ -1,6 +1,9 @@
 """``butter generate`` and ``butter inspect`` through ``butter_core.cli.main``: streams, summaries, exit codes."""
 
 import importlib.util
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -47,7 +50,8 @@ def test_generate_with_chat_window_and_seeded_sampling(capsys, model_path):
         (["--kv-window-size", "4", "--kv-window-keep", "4"], "--kv-window-size/--kv-window-keep"),
         (["--temp", "-1"], "--temp"),
         (["--top-p", "2"], "--top-p"),
-        (["--max-context", "4"], "exceed the cache capacity 4"),
+        (["--max-context", "4"], "need 268 positions, but the KV cache holds 4 (--max-context 4"),
+        (["--max-context", "64", "--max-tokens", "60"], "lower --max-tokens, raise --max-context"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(capsys, model_path, flags, message):
@@ -62,6 +66,56 @@ def test_argparse_errors_exit_2(capsys, model_path, flags):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
+
+
+def test_an_empty_prompt_is_named(capsys):
+    code, out, err = run(capsys, "generate", "-m", "/no/such/model", "-p", "")  # before loading anything
+    assert (code, out) == (2, "") and err == "butter generate: error: -p/--prompt is empty: give the text to generate from\n"
+
+
+def test_a_prompt_that_is_not_utf8_exits_2_naming_the_byte(capsys, model_path):
+    """A command line can carry any bytes; Python keeps invalid UTF-8 as lone surrogates."""
+    prompt = b"caf\xe9 \xff".decode("utf-8", "surrogateescape")
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "-m", model_path, "-p", prompt])
+    assert info.value.code == 2
+    assert "argument -p/--prompt: not valid UTF-8 (byte 0xe9 at character 3)" in capsys.readouterr().err
+
+
+def test_max_context_beyond_the_trained_positions_warns_in_one_line(capsys, model_path):
+    code, out, err = run(capsys, "generate", "-m", model_path, "-p", "hi", "--max-tokens", "2", "--max-context", "1000")
+    assert code == 0
+    warning, summary = err.splitlines()
+    assert warning == (
+        "butter generate: warning: --max-context 1000 (max_context_length) is beyond the 512 positions the model "
+        "was trained on (max_position_embeddings): output degrades past position 512"
+    )
+    assert summary.startswith("prompt:")
+
+
+def test_a_long_prefill_shows_its_progress_on_stderr(capsys, model_path, monkeypatch):
+    monkeypatch.setattr("butter_core.cli.generate_cmd.PROGRESS_DELAY", 0.0)
+    code, out, err = run(capsys, "generate", "-m", model_path, "-p", "the " * 1100, "--max-tokens", "2", "--max-context", "1200")
+    assert code == 0
+    bars = [line for line in err.splitlines() if line.startswith("prefill [")]
+    assert bars == ["prefill [#########-----------] 512/1102 tokens", "prefill [##################--] 1024/1102 tokens",
+                    "prefill [####################] 1102/1102 done"]  # fmt: skip
+
+
+def test_ctrl_c_is_one_line_and_exit_130(model_path):
+    """A real SIGINT to a real process while it streams."""
+    code = "import sys; from butter_core.cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", code, "generate", "-m", model_path, "-p", "hi", "--max-tokens", "100000000",
+            "--kv-window-size", "64"]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.read(1)  # it is generating
+    process.send_signal(signal.SIGINT)
+    try:
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    assert err.decode() == "butter generate: interrupted\n"
 
 
 def test_inspect_lists_every_layer_cache(capsys, model_path):

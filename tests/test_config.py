@@ -2,7 +2,9 @@
 
 import pytest
 
-from butter_core import Affine, Aura, ConfigError, LoadOptions, Raw, Window
+import mlx.core as mx
+
+from butter_core import Affine, Aura, ConfigError, LayerSpec, LoadOptions, Raw, Window, make_layer_caches, parse_kv_cache
 
 
 @pytest.mark.parametrize(
@@ -38,3 +40,40 @@ def test_defaults_follow_the_seed():
     assert Aura.named("aura4v2") == Aura(4, 2) and str(Aura(8, 4)) == "aura8v4"
     assert LoadOptions().kv_cache == Raw() and LoadOptions().kv_eviction is None
     assert Window(2048).keep == 4 and Window(2048).ring_size == 2044
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: parse_kv_cache(None), "named by a string such as 'raw'.*got None"),
+        (lambda: make_layer_caches("raw", [LayerSpec(2, 64, 16)]), r"kind must be a CacheKind.*parse_kv_cache\('raw'\)"),
+        (lambda: make_layer_caches(Raw(), LayerSpec(2, 64, 16)), "specs must be a list of LayerSpec"),
+        (lambda: make_layer_caches(Raw(), [(2, 64, 16)]), "specs must be a list of LayerSpec"),
+        (lambda: make_layer_caches(Raw(), [LayerSpec(2, 64, 16)], "window"), "eviction must be None, Window"),
+        (lambda: make_layer_caches(Raw(), [LayerSpec(2, 64, 16)], layer_windows=[]), "0 layer_windows for 1 specs"),
+    ],
+)
+def test_api_misuse_is_a_config_error_saying_what_was_expected(call, message):
+    with pytest.raises(ConfigError, match=message):
+        call()
+
+
+@pytest.mark.usefixtures("raw_scheme")
+@pytest.mark.parametrize("window", [None, Window(8, keep=2)])
+@pytest.mark.parametrize(
+    ("queries", "keys", "message"),
+    [
+        ((1, 4, 1, 128), (1, 2, 1, 128), r"keys of shape \[1, 2, 1, 128\]; this cache holds \[batch 1, kv heads 2, tokens, head_dim 64\]"),
+        ((1, 6, 1, 64), (1, 3, 1, 64), r"keys of shape \[1, 3, 1, 64\]"),
+        ((4, 1, 64), (2, 1, 64), r"keys of shape \[2, 1, 64\]"),
+        ((1, 3, 1, 64), (1, 2, 1, 64), "queries of shape .* a multiple of 2 heads"),
+        ((1, 4, 2, 64), (1, 2, 1, 64), "queries of shape .* 1 tokens"),
+    ],
+)
+def test_a_chunk_of_the_wrong_shape_is_a_config_error(window, queries, keys, message):
+    cache = make_layer_caches(Raw(), [LayerSpec(2, 64, 16)], window)[0]
+    with pytest.raises(ConfigError, match=message):
+        cache.update_and_attend(mx.zeros(queries), mx.zeros(keys), mx.zeros(keys), scale=1.0)
+    with pytest.raises(ConfigError, match="(keys|values) of shape"):
+        cache.append(mx.zeros(keys), mx.zeros(keys[:-1] + (32,)))
+    assert cache.absolute_position == 0

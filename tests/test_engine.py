@@ -4,7 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from butter_core.engine import PositionError
+from butter_core.config import LoadOptions, Window
+from butter_core.engine import ContextLengthError, Engine, PositionError, TokenIdError
 from butter_core.errors import ConfigError
 from butter_core.generation import Generation
 from butter_core.model import Model
@@ -143,3 +144,67 @@ def test_generation_runs_once_and_validates_max_tokens(model):
         list(generation)
     with pytest.raises(ConfigError, match="--max-tokens"):
         Generation(model.engine, [1], model.engine.make_layer_caches(), max_tokens=0)
+
+
+@pytest.mark.usefixtures("raw_scheme")
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([10**9], "token id 1000000000 is out of range: this model's ids are 0..383"),
+        ([3, -1], "token id -1 is out of range"),
+        (mx.array([384], dtype=mx.int32), "token id 384 is out of range"),
+        ([1.5], r"token ids must be integers; got \[1.5\] \(float64\)"),
+        (mx.array([1.0, 2.0]), "token ids must be integers"),
+        ([True], "token ids must be integers"),
+        ("12", "token ids must be integers"),
+        ([[1, 2], [3, 4]], r"one sequence \(a list or 1-D array\), got shape \[2, 2\]"),
+        (mx.array([[1, 2]]), r"got shape \[1, 2\]"),
+        ([[1], [2, 3]], "one sequence of integers"),
+        ([], "at least one token id"),
+    ],
+)  # fmt: skip
+def test_bad_token_ids_are_named_and_nothing_is_appended(model, ids, message):
+    caches = model.engine.make_layer_caches()
+    with pytest.raises(TokenIdError, match=message):
+        model.engine.forward(ids, caches)
+    assert caches[0].absolute_position == 0
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_forward_that_does_not_fit_appends_nothing(tiny_model):
+    model = Model.load(str(tiny_model(TinySpec())), LoadOptions(max_context_length=16))
+    caches = model.engine.make_layer_caches()
+    model.engine.forward(list(range(10)), caches)
+    with pytest.raises(ContextLengthError, match="7 token ids need 17 positions after the 10 positions the caches "
+                       r"already hold, but the KV cache holds 16 \(--max-context 16"):  # fmt: skip
+        model.engine.forward(list(range(7)), caches)
+    assert [cache.absolute_position for cache in caches] == [10, 10]
+    model.engine.forward(list(range(6)), caches)  # exactly full
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_generation_checks_prompt_plus_max_tokens_before_prefill(tiny_model):
+    model = Model.load(str(tiny_model(TinySpec())), LoadOptions(max_context_length=16))
+    caches = model.engine.make_layer_caches()
+    with pytest.raises(ContextLengthError, match="the prompt's 10 tokens and --max-tokens 7 need 17 positions"):
+        model.generate(list(range(10)), caches, max_tokens=7)
+    assert caches[0].absolute_position == 0
+    assert len(list(model.generate(list(range(10)), caches, max_tokens=6, stop_ids=()))) == 6
+    with pytest.raises(ConfigError, match="the prompt is empty"):
+        model.generate([], max_tokens=2)
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_window_eviction_leaves_room_for_any_length(tiny_model):
+    options = LoadOptions(max_context_length=16, kv_eviction=Window(8, keep=2))
+    model = Model.load(str(tiny_model(TinySpec())), options)
+    caches = model.engine.make_layer_caches()
+    assert len(list(model.generate(list(range(20)), caches, max_tokens=30, stop_ids=()))) == 30
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_prefill_reports_progress_after_each_chunk_but_the_last(model):
+    engine = Engine(model.network, model.options, prefill_chunk=4)
+    seen = []
+    mx.eval(engine.forward(list(range(10)), engine.make_layer_caches(), progress=lambda *done: seen.append(done)))
+    assert seen == [(4, 10), (8, 10)]

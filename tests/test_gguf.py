@@ -8,10 +8,12 @@ quantizers do) together with the values they dequantize to.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,7 +22,16 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from butter_core.errors import ModelLoadError
-from butter_core.loading.gguf import convert_gguf, convert_gguf_cached, unpermute_rope_rows
+from butter_core.loading.gguf import (
+    CONVERTER_VERSION,
+    LOCK_FILE,
+    cached_conversion_dir,
+    conversion_lock,
+    convert_gguf,
+    convert_gguf_cached,
+    file_sha256,
+    unpermute_rope_rows,
+)
 from butter_core.tokenizer import Tokenizer
 
 F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
@@ -440,9 +451,51 @@ def test_conversion_is_cached_by_content(tmp_path, cache_dir):
     shutil.copy(path, renamed)
     assert convert_gguf_cached(renamed) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == written
-    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no staging leftovers
+    assert sorted(p.name for p in first.parent.iterdir()) == [LOCK_FILE, first.name]  # no staging leftovers
 
 
 def test_missing_gguf_is_named(tmp_path, cache_dir):
     with pytest.raises(ModelLoadError, match="nope.gguf: GGUF file not found"):
         convert_gguf_cached(tmp_path / "nope.gguf")
+
+
+def test_the_next_conversion_removes_what_a_killed_one_left(tmp_path, cache_dir):
+    path, _, _ = _dense_llama(tmp_path)
+    directory = cache_dir / "gguf" / f"v{CONVERTER_VERSION}"
+    stale = directory / f".{'ab' * 32}.{'0' * 16}.partial"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    foreign = directory / ".not-ours.partial"
+    foreign.mkdir()
+    converted = convert_gguf_cached(path)
+    assert not stale.exists() and foreign.is_dir()
+    assert sorted(p.name for p in directory.iterdir()) == sorted([LOCK_FILE, foreign.name, converted.name])
+
+
+def test_a_conversion_waits_for_the_process_converting_before_it(tmp_path, cache_dir):
+    """The lock is real (``flock``): a second holder blocks until the first lets go, then finds
+    the work done instead of doing it again."""
+    path, _, _ = _dense_llama(tmp_path)
+    directory = cache_dir / "gguf" / f"v{CONVERTER_VERSION}"
+    said, result = io.StringIO(), []
+    with conversion_lock(directory):
+        waiter = threading.Thread(target=lambda: result.append(convert_gguf_cached(path, progress_stream=said)))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and said.getvalue() == f"waiting for another butter process converting into {directory}\n"
+        converted = convert_gguf(path, cached_conversion_dir(file_sha256(path)))  # what the first process does
+    waiter.join(timeout=30)
+    assert result == [converted]
+    assert len(said.getvalue().splitlines()) == 1  # it did not convert again
+
+
+def test_a_conversion_shows_its_steps(tmp_path):
+    said = io.StringIO()
+    convert_gguf(_dense_llama(tmp_path)[0], tmp_path / "model", progress_stream=said)
+    assert said.getvalue().splitlines() == [
+        "converting tiny.gguf (once) [--------------------] 0/4 reading",
+        "converting tiny.gguf (once) [#####---------------] 1/4 tokenizer",
+        "converting tiny.gguf (once) [##########----------] 2/4 tensors",
+        "converting tiny.gguf (once) [###############-----] 3/4 writing model.safetensors",
+        "converting tiny.gguf (once) [####################] 4/4 done",
+    ]

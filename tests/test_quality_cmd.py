@@ -106,6 +106,7 @@ def test_shipped_texts_are_long_enough():
     [
         (["--kv-cache", "nosuch9"], "unknown KV cache scheme 'nosuch9'"),
         (["--text", "/nonexistent/file.txt"], "--text /nonexistent/file.txt: no such file"),
+        (["--text", "/tmp"], "--text /tmp: is a directory"),
         (["--context", "600"], "needs 600 positions, more than the model's window of 512"),
         (["--context", "40"], "too short for the copy probe"),
     ],

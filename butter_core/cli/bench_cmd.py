@@ -82,7 +82,7 @@ def run(args) -> int:
     check_output_path(args.plot, "--plot")
     if args.plot:
         require_matplotlib()
-    model = Model.load(args.model)
+    model = Model.load(args.model, progress_stream=sys.stderr)
     results = run_bench(
         model, kinds, args.context, args.decode_tokens, repeats=args.repeats, progress_stream=sys.stderr
     )

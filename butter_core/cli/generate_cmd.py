@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import sys
 
-from butter_core.cli.model_options import add_model_arguments, load_model, positive_int
+from butter_core.cli.model_options import add_model_arguments, load_model, positive_int, prompt_text
+from butter_core.errors import ConfigError
+from butter_core.progress import Progress
 from butter_core.sampling import Sampler
+
+PROGRESS_DELAY = 2.0
+"""Seconds a prefill runs before its progress shows on stderr."""
 
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     add_model_arguments(parser)
-    parser.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    parser.add_argument("-p", "--prompt", required=True, type=prompt_text, help="the prompt text")
     parser.add_argument("--max-tokens", type=positive_int, default=256, metavar="N", help="stop after N tokens (default 256)")
     parser.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default 1)")
@@ -21,13 +26,22 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if not args.prompt:
+        raise ConfigError("-p/--prompt is empty: give the text to generate from")
     sampler = Sampler(args.temp, args.top_p, args.seed)
     model = load_model(args)
-    generation = model.generate(model.encode_prompt(args.prompt, chat=args.chat), sampler=sampler, max_tokens=args.max_tokens)
+    prompt = model.encode_prompt(args.prompt, chat=args.chat)
+    prefill = Progress(len(prompt), "prefill", sys.stderr, delay=PROGRESS_DELAY)
+    generation = model.generate(
+        prompt, sampler=sampler, max_tokens=args.max_tokens,
+        prefill_progress=lambda done, total: prefill.advance_to(done, "tokens"),
+    )  # fmt: skip
     detokenizer = model.tokenizer.detokenizer()
     for token_id in generation:
+        prefill.finish()
         sys.stdout.write(detokenizer.add(token_id))
         sys.stdout.flush()
+    prefill.finish()
     sys.stdout.write(detokenizer.flush() + "\n")
     print(generation.stats.summary(), file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from butter_core import parse_kv_cache
 from butter_core.config import LoadOptions, Window
@@ -35,6 +36,18 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return value
+
+
+def prompt_text(text: str) -> str:
+    """argparse type: text that is valid UTF-8 (a command line can carry other bytes, which
+    Python keeps as lone surrogates that no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) - 0xDC00 if 0xDC80 <= ord(text[exc.start]) <= 0xDCFF else None
+        what = f"byte 0x{byte:02x}" if byte is not None else repr(text[exc.start])
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 ({what} at character {exc.start})") from None
+    return text
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -70,5 +83,5 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
 
 
 def load_model(args: argparse.Namespace) -> Model:
-    """Load ``--model`` with the options the flags describe."""
-    return Model.load(args.model, load_options(args))
+    """Load ``--model`` with the options the flags describe (a first conversion's progress on stderr)."""
+    return Model.load(args.model, load_options(args), progress_stream=sys.stderr)

@@ -7,7 +7,7 @@ import json
 
 from butter_core.kernels import backend as kernel_backend
 from butter_core.kernels import gpu_backend, tensor_cores_available
-from butter_core.plugins import get_plugin_host
+from butter_core.plugins import LOAD_PLUGINS_ENV, get_plugin_host
 
 
 def add_parser(sub) -> None:
@@ -25,27 +25,32 @@ def run(args) -> int:
             "version": record.version,
             "hooks": record.hooks,
             "schemes": [
-                {"name": s, "examples": list(host.schemes[s].scheme.examples), "description": host.schemes[s].scheme.description}
+                {"name": s, "examples": list(host.scheme_of(record, s).examples),
+                 "description": host.scheme_of(record, s).description, "contested": s in host.contested}
                 for s in record.schemes
-            ],
+            ],  # fmt: skip
             "evictions": record.evictions,
         }
         for record in host.plugins.values()
     ]
     problems = [{"distribution": p.distribution, "entry_point": p.entry_point, "message": p.message} for p in host.problems]
+    left_out = [{"distribution": dist, "entry_point": name} for dist, name in host.left_out]
     kernels = gpu_kernels()
     if args.json:
-        print(json.dumps({"plugins": plugins, "problems": problems, "gpu_kernels": kernels}, indent=2))
+        print(json.dumps({"plugins": plugins, "problems": problems, "left_out": left_out, "gpu_kernels": kernels}, indent=2))
         return 0
     for plugin in plugins:
         print(f"{plugin['distribution']} {plugin['version']}  (plugin {plugin['name']})")
         for scheme in plugin["schemes"]:
-            print(f"  scheme {scheme['name']}: {', '.join(scheme['examples'])} - {scheme['description']}")
+            contested = " (contested: not used, see the problems below)" if scheme["contested"] else ""
+            print(f"  scheme {scheme['name']}{contested}: {', '.join(scheme['examples'])} - {scheme['description']}")
         for policy in plugin["evictions"]:
             print(f"  eviction {policy}")
         print(f"  hooks: {', '.join(plugin['hooks'])}")
     for problem in problems:
         print(f"problem: {problem['distribution']} ({problem['entry_point']}): {problem['message']}")
+    for plugin in left_out:
+        print(f"not loaded ({LOAD_PLUGINS_ENV} leaves it out): {plugin['distribution']} ({plugin['entry_point']})")
     print(describe_gpu_kernels(kernels))
     return 0
 

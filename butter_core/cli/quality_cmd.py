@@ -67,10 +67,10 @@ def run(args) -> int:
     kinds = parse_scheme_list(args.kv_cache)
     check_output_path(args.json, "--json")
     sources = [(Path(path), None) for path in args.text] if args.text else [(path, path.name) for path in DEFAULT_TEXTS]
-    missing = [str(path) for path, _ in sources if not path.is_file()]
-    if missing:  # before loading the model
-        raise ConfigError(f"--text {', '.join(missing)}: no such file")
-    model = Model.load(args.model)
+    for path, _ in sources:  # before loading the model
+        if not path.is_file():
+            raise ConfigError(f"--text {path}: {'is a directory' if path.is_dir() else 'no such file'}")
+    model = Model.load(args.model, progress_stream=sys.stderr)
     texts = [load_text(path, model.tokenizer, args.context, name=name) for path, name in sources]
     results = run_quality(model, kinds, texts, prefill=args.prefill, chunk=args.chunk, progress_stream=sys.stderr)
     print(format_quality_table(results))

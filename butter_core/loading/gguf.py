@@ -24,11 +24,14 @@ interleaved RoPE computes what Hugging Face's rotate-half RoPE computes;
 ``convert_gguf_cached`` converts into the butter cache (``BUTTER_CACHE_DIR``, default
 ``$XDG_CACHE_HOME/butter`` or ``~/.cache/butter``) keyed by the file's sha256; every
 conversion is written into a temporary directory beside the destination and renamed into
-place, so a failure never leaves a half-written model.
+place, so a failure never leaves a half-written model. In the cache, conversions hold a
+lock on their directory (``LOCK_FILE``), so two processes never convert at once, and the
+one holding it removes what a killed conversion left (``.SHA256.RANDOM.partial``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -40,12 +43,14 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import mlx.core as mx
 import numpy as np
 
 from butter_core.errors import ModelLoadError
 from butter_core.loading.gguf_tokenizer import build_tokenizer_files, eos_token_ids
+from butter_core.progress import Progress
 
 GGUF_GROUP_SIZE = 32
 CONVERTER_VERSION = 1  # bump when the converted directory changes, to leave stale conversions behind
@@ -107,37 +112,87 @@ def cached_conversion_dir(sha256: str) -> Path:
     return butter_cache_dir() / "gguf" / f"v{CONVERTER_VERSION}" / sha256
 
 
-def convert_gguf_cached(gguf_path: str | Path, *, sha256: str | None = None) -> Path:
+def convert_gguf_cached(
+    gguf_path: str | Path, *, sha256: str | None = None, progress_stream: TextIO | None = None
+) -> Path:
     """The model directory converted from ``gguf_path``, converting only on first use.
 
     ``sha256`` is the file's digest when the caller already knows it (it is computed
     otherwise); the cache is keyed by it, so a renamed or moved file is not converted again.
+    A conversion shows its progress on ``progress_stream`` (None: silent).
     """
     gguf_path = _existing(Path(gguf_path))
     destination = cached_conversion_dir(sha256 or file_sha256(gguf_path))
     if destination.is_dir():
         return destination
-    return convert_gguf(gguf_path, destination)
+    with conversion_lock(destination.parent, progress_stream):
+        if destination.is_dir():  # another process converted it while this one waited
+            return destination
+        remove_stale_partials(destination.parent)
+        return convert_gguf(gguf_path, destination, progress_stream=progress_stream)
 
 
-def convert_gguf(gguf_path: str | Path, destination: str | Path) -> Path:
-    """Convert ``gguf_path`` into a new model directory ``destination`` (which must not exist)."""
+def convert_gguf(gguf_path: str | Path, destination: str | Path, *, progress_stream: TextIO | None = None) -> Path:
+    """Convert ``gguf_path`` into a new model directory ``destination`` (which must not exist),
+    showing its progress on ``progress_stream`` (None: silent)."""
     gguf_path, destination = Path(gguf_path), Path(destination)
     if destination.exists():
         raise ModelLoadError(f"{destination}: already exists; refusing to convert {gguf_path} over it")
+    progress = Progress(4, f"converting {gguf_path.name} (once)", progress_stream)
+    progress.step("reading")
     tensors, metadata = _read_gguf(_existing(gguf_path))
     architecture = _architecture(metadata, gguf_path)
     config = _hf_config(metadata, tensors, architecture, gguf_path)
+    progress.step("tokenizer")
     tokenizer_files = build_tokenizer_files(metadata, gguf_path)
     with _atomic_directory(destination) as staging:
         tokenizer_files.write(staging)
+        progress.step("tensors")
         weights = _hf_tensors(tensors, config, architecture, gguf_path)
         quantization = _quantization_config(weights)
         if quantization:
             config["quantization"] = quantization
         (staging / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        progress.step("writing model.safetensors")
         mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+    progress.finish()
     return destination
+
+
+LOCK_FILE = ".lock"
+"""The file in a cache directory that conversions into it hold a lock on."""
+
+_STALE_PARTIAL = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{16}\.partial")
+"""The staging directories of cached conversions (``_atomic_directory`` of a sha256 name)."""
+
+
+@contextmanager
+def conversion_lock(directory: Path, progress_stream: TextIO | None = None):
+    """Hold an exclusive lock on ``directory``'s ``LOCK_FILE`` (made if missing) for the ``with``
+    block; waiting for another process that holds it is said on ``progress_stream``. The
+    lock goes with the process, so a killed conversion never leaves it held."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK_FILE, "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress_stream is not None:
+                print(f"waiting for another butter process converting into {directory}", file=progress_stream)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def remove_stale_partials(directory: Path) -> list[Path]:
+    """Remove the staging directories that killed conversions left in ``directory`` (only
+    those named as ``_atomic_directory`` names them for a sha256); call it holding
+    ``conversion_lock`` on ``directory``, so none of them is in use. Returns what it removed."""
+    stale = [path for path in directory.iterdir() if path.is_dir() and _STALE_PARTIAL.fullmatch(path.name)]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def unpermute_rope_rows(rows: mx.array, n_heads: int) -> mx.array:

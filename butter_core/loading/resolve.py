@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TextIO
 
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -24,14 +25,20 @@ HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def resolve_model(path_or_id: str | os.PathLike | None, *, hf_cache_dir: str | os.PathLike | None = None) -> Path:
+def resolve_model(
+    path_or_id: str | os.PathLike | None,
+    *,
+    hf_cache_dir: str | os.PathLike | None = None,
+    progress_stream: TextIO | None = None,
+) -> Path:
     """The model directory for ``path_or_id`` (see the module docstring).
 
     ``hf_cache_dir`` overrides the Hugging Face cache location (default: the hub's own,
-    ``HF_HUB_CACHE`` or ``HF_HOME/hub``).
+    ``HF_HUB_CACHE`` or ``HF_HOME/hub``); a GGUF conversion shows its progress on
+    ``progress_stream`` (None: silent).
     """
     if path_or_id is None:
-        return default_model_dir()
+        return default_model_dir(progress_stream)
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return check_model_dir(path)
@@ -39,7 +46,7 @@ def resolve_model(path_or_id: str | os.PathLike | None, *, hf_cache_dir: str | o
     if path.is_file():
         if not is_gguf:
             raise ModelLoadError(f"{path}: not a model directory or a .gguf file")
-        return convert_gguf_cached(path)
+        return convert_gguf_cached(path, progress_stream=progress_stream)
     if is_gguf:
         raise ModelLoadError(f"{path}: GGUF file not found")
     if _REPO_ID.fullmatch(str(path_or_id)):
