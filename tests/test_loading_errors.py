@@ -54,6 +54,37 @@ def test_header_that_is_not_json(model_dir):
     assert "not valid JSON" in load_error(model_dir)
 
 
+def _rewrite_header(weights, edit) -> None:
+    data = weights.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    edit(header["model.norm.weight"], header)
+    raw = json.dumps(header).encode()
+    weights.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + size :])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda entry, _: entry.update(shape=[-2, -64]), r"shape \[-2, -64\] and data_offsets .* must be non-negative integers"),
+        (lambda entry, _: entry.update(shape=[64.0]), "must be non-negative integers"),
+        (lambda entry, _: entry.update(data_offsets=entry["data_offsets"][::-1]), "the offsets in order"),
+        (lambda entry, _: entry.update(dtype=["F32"]), r"unknown dtype \['F32'\]"),
+    ],
+)
+def test_header_entries_must_be_well_formed(model_dir, edit, message):
+    weights = model_dir / "model.safetensors"
+    _rewrite_header(weights, edit)
+    assert message and str(weights) in load_error(model_dir)
+    with pytest.raises(ModelLoadError, match=message):
+        Model.load(str(model_dir))
+
+
+def test_a_header_nested_too_deep_for_python(model_dir):
+    (model_dir / "model.safetensors").write_bytes((200_000).to_bytes(8, "little") + b"[" * 100_000 + b"]" * 100_000)
+    assert "not valid JSON (maximum recursion depth exceeded" in load_error(model_dir)
+
+
 def test_shape_that_disagrees_with_config(model_dir):
     edit_config(model_dir, intermediate_size=96)
     message = load_error(model_dir)

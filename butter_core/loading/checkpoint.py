@@ -93,8 +93,8 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             )
         try:
             header = json.loads(f.read(header_size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"{path}: safetensors header is not valid JSON ({exc}); is this a safetensors file?") from exc
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ModelLoadError(f"{path}: safetensors header is not valid JSON ({exc}); is this a safetensors file?") from None
     if not isinstance(header, dict):
         raise ModelLoadError(f"{path}: safetensors header must be a JSON object")
     entries, data_end = {}, 0
@@ -113,10 +113,15 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
 
 def _parse_entry(path: Path, name: str, info: Any) -> tuple[TensorEntry, int]:
     try:
-        dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
     except (TypeError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from exc
-    if dtype not in ITEM_SIZES:
+    if not all(_natural(value) for value in (*shape, begin, end)) or begin > end:
+        raise ModelLoadError(
+            f"{path}: tensor {name!r}: shape {info['shape']!r} and data_offsets {info['data_offsets']!r} must be "
+            "non-negative integers, the offsets in order"
+        )
+    if not isinstance(dtype, str) or dtype not in ITEM_SIZES:
         raise ModelLoadError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if end - begin != math.prod(shape) * ITEM_SIZES[dtype]:
         raise ModelLoadError(
@@ -124,6 +129,10 @@ def _parse_entry(path: Path, name: str, info: Any) -> tuple[TensorEntry, int]:
             f"expected {math.prod(shape) * ITEM_SIZES[dtype]}"
         )
     return TensorEntry(name, path, dtype, shape), end
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _read_json(path: Path, *, what: str) -> dict[str, Any]:

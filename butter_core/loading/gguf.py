@@ -49,6 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from butter_core.errors import ModelLoadError
+from butter_core.loading.gguf_header import check_gguf
 from butter_core.loading.gguf_tokenizer import build_tokenizer_files, eos_token_ids
 from butter_core.progress import Progress
 
@@ -138,9 +139,10 @@ def convert_gguf(gguf_path: str | Path, destination: str | Path, *, progress_str
     gguf_path, destination = Path(gguf_path), Path(destination)
     if destination.exists():
         raise ModelLoadError(f"{destination}: already exists; refusing to convert {gguf_path} over it")
+    check_gguf(_existing(gguf_path))  # MLX's reader trusts every length in the file
     progress = Progress(4, f"converting {gguf_path.name} (once)", progress_stream)
     progress.step("reading")
-    tensors, metadata = _read_gguf(_existing(gguf_path))
+    tensors, metadata = _read_gguf(gguf_path)
     architecture = _architecture(metadata, gguf_path)
     config = _hf_config(metadata, tensors, architecture, gguf_path)
     progress.step("tokenizer")
@@ -216,7 +218,8 @@ def _existing(path: Path) -> Path:
 
 
 def _read_gguf(path: Path) -> tuple[dict[str, mx.array], dict]:
-    """Tensors and plain-Python metadata of a GGUF file, or a ModelLoadError naming it."""
+    """Tensors and plain-Python metadata of a GGUF file that ``check_gguf`` passed, or a
+    ModelLoadError naming it."""
     try:
         tensors, metadata = mx.load(str(path), format="gguf", return_metadata=True)
     except Exception as error:  # MLX raises RuntimeError/ValueError with a "[load_gguf]" prefix
@@ -247,18 +250,22 @@ def _hf_config(metadata: Mapping, tensors: Mapping, architecture: _Architecture,
     """``config.json`` of the converted model (without ``quantization``, added later)."""
     arch = metadata["general.architecture"]
 
-    def required(key: str):
-        value = metadata.get(f"{arch}.{key}")
+    def required(key: str, default=None, kind: type = int):
+        """``{arch}.{key}``: a positive int (or a positive number, for ``kind=float``)."""
+        value = metadata.get(f"{arch}.{key}", default)
         if value is None:
             raise ModelLoadError(f"{source}: missing GGUF metadata {arch}.{key}")
         if isinstance(value, list):
             raise ModelLoadError(f"{source}: per-layer {arch}.{key} is not supported")
+        valid = int if kind is int else (int, float)
+        if not isinstance(value, valid) or isinstance(value, bool) or not value > 0:
+            raise ModelLoadError(f"{source}: GGUF metadata {arch}.{key} must be a positive {kind.__name__}, got {value!r}")
         return value
 
     hidden = required("embedding_length")
     heads = required("attention.head_count")
-    kv_heads = metadata.get(f"{arch}.attention.head_count_kv", heads)
-    head_dim = metadata.get(f"{arch}.attention.key_length", hidden // heads)
+    kv_heads = required("attention.head_count_kv", heads)
+    head_dim = required("attention.key_length", hidden // heads if hidden >= heads else None)
     if head_dim % 2:
         raise ModelLoadError(f"{source}: head dim {head_dim} is odd; rotary embeddings need an even one")
     if metadata.get(f"{arch}.attention.value_length", head_dim) != head_dim:
@@ -281,8 +288,8 @@ def _hf_config(metadata: Mapping, tensors: Mapping, architecture: _Architecture,
         "num_hidden_layers": required("block_count"),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": required("attention.layer_norm_rms_epsilon"),
-        "rope_theta": metadata.get(f"{arch}.rope.freq_base", 10000.0),
+        "rms_norm_eps": required("attention.layer_norm_rms_epsilon", kind=float),
+        "rope_theta": required("rope.freq_base", 10000.0, kind=float),
         "rope_scaling": _rope_scaling(metadata, arch, source),
         "max_position_embeddings": required("context_length"),
         "vocab_size": tensors["token_embd.weight"].shape[0],

@@ -104,7 +104,20 @@ def build_tokenizer_files(metadata: Mapping, source: Path) -> TokenizerFiles:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ModelLoadError(f"{source}: no tokenizer vocab (tokenizer.ggml.tokens) in the GGUF metadata")
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+        raise ModelLoadError(f"{source}: tokenizer.ggml.tokens must be a list of strings")
     types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise ModelLoadError(f"{source}: tokenizer.ggml.token_type must hold one type per token ({len(tokens)})")
+    try:
+        return _tokenizer_files(metadata, kind, tokens, types, source)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        raise ModelLoadError(f"{source}: the tokenizer in the GGUF metadata is malformed: {exc}") from exc
+
+
+def _tokenizer_files(metadata: Mapping, kind, tokens: list, types: list, source: Path) -> TokenizerFiles:
     if kind == "gpt2":
         tokenizer, add_bos = _byte_level_bpe(metadata, tokens, types, source)
     elif kind == "llama":
