@@ -55,7 +55,7 @@ def test_a_truncated_gguf_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("BUTTER_CACHE_DIR", str(tmp_path / "cache"))
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF\x03\x00\x00\x00")
-    with pytest.raises(ModelLoadError, match="broken.gguf: not a readable GGUF file"):
+    with pytest.raises(ModelLoadError, match=r"broken.gguf: not a GGUF file \(8 bytes; a GGUF header alone takes 24\)"):
         resolve_model(broken)
 
 
