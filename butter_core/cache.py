@@ -35,7 +35,14 @@ broadcastable to ``[batch, n_q_heads, tokens, length]``."""
 
 @attrs.frozen
 class LayerSpec:
-    """What a scheme needs to size one attention layer's cache."""
+    """What a scheme needs to size one attention layer's cache.
+
+    ``ring_start`` is set when an eviction decorator reuses slots: slots from ``ring_start``
+    to ``max_positions`` then hold positions in turn (the window's ring: position ``p >=
+    ring_start`` in slot ``ring_start + (p - ring_start) % (max_positions - ring_start)``).
+    None: slot ``i`` holds position ``i``. A scheme that keeps some positions apart (AURA's
+    newest rows in full precision) reads it; others need not.
+    """
 
     n_kv_heads: int
     head_dim: int
@@ -43,16 +50,21 @@ class LayerSpec:
     dtype: mx.Dtype = mx.float16
     layer_index: int = 0
     batch_size: int = 1
+    ring_start: int | None = None
 
     def __attrs_post_init__(self):
         for name in ("n_kv_heads", "head_dim", "max_positions", "batch_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"LayerSpec.{name} must be a positive integer, got {value!r}")
+        start = self.ring_start
+        if start is not None and (not isinstance(start, int) or not 0 <= start < self.max_positions):
+            raise ConfigError(f"LayerSpec.ring_start must be None or in [0, max_positions), got {start!r}")
 
-    def with_max_positions(self, max_positions: int) -> LayerSpec:
-        """The same layer with another capacity (eviction decorators shrink it)."""
-        return attrs.evolve(self, max_positions=max_positions)
+    def with_ring(self, max_positions: int, ring_start: int) -> LayerSpec:
+        """The same layer holding ``max_positions`` slots, reused in turn from ``ring_start`` on
+        (what an eviction decorator gives the scheme it wraps)."""
+        return attrs.evolve(self, max_positions=max_positions, ring_start=ring_start)
 
 
 def check_chunk(spec: LayerSpec, keys: mx.array, values: mx.array, queries: mx.array | None = None) -> None:
@@ -171,6 +183,11 @@ class LayerCache(ABC):
     def append(self, keys: mx.array, values: mx.array) -> None:
         """Append ``tokens`` positions without attending (prefix filling, tests)."""
 
+    def reserve(self, positions: int) -> None:
+        """Allocate room for ``positions`` positions in all (at most ``capacity``) now, so that
+        appends up to there never grow the storage piece by piece. A hint: a cache without
+        growable storage ignores it, and one that holds more keeps what it has."""
+
 
 class SlotCache(LayerCache):
     """Base for a scheme's storage: rows addressed by slot, live slots ``[0, length)``.
@@ -187,10 +204,13 @@ class SlotCache(LayerCache):
     # -- what a scheme implements -------------------------------------------------
 
     @abstractmethod
-    def store(self, start: int, keys: mx.array, values: mx.array) -> None:
+    def store(self, start: int, keys: mx.array, values: mx.array, position: int) -> None:
         """Write ``tokens`` rows into slots ``[start, start + tokens)``, re-encoding from scratch.
 
-        ``start <= length`` and ``start + tokens <= capacity`` are guaranteed by the caller.
+        The rows are positions ``[position, position + tokens)`` (``position == start``
+        without eviction; a window writes its ring's slots with later positions). Only a
+        scheme that keeps some positions apart needs it. ``start <= length`` and ``start +
+        tokens <= capacity`` are guaranteed by the caller.
         """
 
     @abstractmethod
@@ -229,8 +249,9 @@ class SlotCache(LayerCache):
     def absolute_position(self) -> int:
         return self._length
 
-    def write(self, start: int, keys: mx.array, values: mx.array) -> None:
-        """Store rows at slots ``[start, start + tokens)``; used by ``append`` and eviction decorators."""
+    def write(self, start: int, keys: mx.array, values: mx.array, position: int | None = None) -> None:
+        """Store rows of positions ``[position, position + tokens)`` (default: ``start``) at slots
+        ``[start, start + tokens)``; used by ``append`` and eviction decorators."""
         tokens = keys.shape[2]
         if start < 0 or start > self._length:
             raise IndexError(f"write at slot {start} would leave a gap: live slots are [0, {self._length})")
@@ -239,7 +260,7 @@ class SlotCache(LayerCache):
                 f"layer {self.spec.layer_index}: {start + tokens} positions exceed the cache capacity "
                 f"{self.capacity}; raise max_context_length or use window eviction (--kv-window-size)"
             )
-        self.store(start, keys, values)
+        self.store(start, keys, values, start if position is None else position)
         self._length = max(self._length, start + tokens)
 
     def append(self, keys, values):

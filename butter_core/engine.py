@@ -112,7 +112,7 @@ class Engine:
         """
         ids = self.token_ids(token_ids)
         self.check_caches(caches)
-        self.check_room(caches, ids.size, f"{ids.size} token ids")
+        self.make_room(caches, ids.size, f"{ids.size} token ids")
         return self.run(ids, caches, all_logits=all_logits, progress=progress)
 
     def run(
@@ -123,7 +123,7 @@ class Engine:
         all_logits: bool = False,
         progress: Callable[[int, int], None] | None = None,
     ) -> mx.array:
-        """``forward`` without its checks, for ids already checked (``token_ids``, ``check_room``)
+        """``forward`` without its checks, for ids already checked (``token_ids``, ``make_room``)
         or drawn by a ``Sampler`` from this model's logits: nothing waits for ``ids`` to be
         computed, so a decode loop queues its next step before the sampled token reaches Python."""
         ids = ids.reshape(-1)
@@ -158,7 +158,7 @@ class Engine:
         """Run one forward pass layer by layer, timing each (evaluated in turn)."""
         self.check_caches(caches)
         ids = self.token_ids(token_ids)
-        self.check_room(caches, ids.size, f"{ids.size} token ids")
+        self.make_room(caches, ids.size, f"{ids.size} token ids")
         hidden = self.network.embed(ids[None])
         mx.eval(hidden)
         timings = []
@@ -201,12 +201,15 @@ class Engine:
             raise TokenIdError(f"token id {bad} is out of range: this model's ids are 0..{vocab - 1}")
         return (ids if isinstance(ids, mx.array) else mx.array(ids)).astype(mx.uint32).reshape(-1)
 
-    def check_room(self, caches: Sequence[LayerCache], tokens: int, what: str) -> None:
-        """Raise ``ContextLengthError``, before any work, when ``tokens`` more positions do not fit
-        ``caches`` (``what`` names them: "the prompt's 8301 tokens and --max-tokens 256")."""
+    def make_room(self, caches: Sequence[LayerCache], tokens: int, what: str) -> None:
+        """Have ``caches`` allocate room for ``tokens`` more positions at once (``reserve``), or
+        raise ``ContextLengthError``, before any work, when they do not fit (``what`` names
+        them: "the prompt's 8301 tokens and --max-tokens 256")."""
         limits = [cache.capacity for cache in caches if cache.capacity is not None]
         held = caches[0].absolute_position if caches else 0
         if not limits or held + tokens <= min(limits):
+            for cache in caches:
+                cache.reserve(held + tokens)
             return
         capacity = min(limits)
         cap = self.options.max_context_length

@@ -89,7 +89,7 @@ class Generation:
         self.prompt_ids = engine.token_ids(prompt_ids)
         engine.check_caches(caches)
         prompt = self.prompt_ids.size
-        engine.check_room(caches, prompt + max_tokens, f"the prompt's {prompt} tokens and --max-tokens {max_tokens}")
+        engine.make_room(caches, prompt + max_tokens, f"the prompt's {prompt} tokens and --max-tokens {max_tokens}")
         self.caches = caches
         self.sampler = sampler or GREEDY
         self.max_tokens = max_tokens

@@ -6,13 +6,22 @@ quantized schemes: codes, scales, biases); this is that bookkeeping, written onc
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from butter_core.cache import LayerSpec, SlotCache
 from butter_core.errors import ConfigError
 
 GROWTH_STEP = 256
-"""Buffers grow by whole steps of this many positions, up to capacity."""
+"""Buffers are allocated in whole steps of this many positions, up to capacity."""
+
+GROWTH_FACTOR = 1.25
+"""Growing on demand allocates at least this times the slots held before, so a long
+prompt appended chunk by chunk copies each position a bounded number of times (about
+``1 / (GROWTH_FACTOR - 1)``) instead of once per step. 1.25 keeps at most a fifth of an
+allocation past what was asked for: GPU decode kernels plan their splits over allocated
+slots, and memory is what this engine is for."""
 
 Layout = dict[str, tuple[int, mx.Dtype]]
 """Buffer name -> (row width, dtype); every buffer is ``[batch, n_kv_heads, slots, width]``."""
@@ -26,10 +35,11 @@ written with one slice assignment instead of one per buffer."""
 class SlotBuffers:
     """Arrays ``[batch, n_kv_heads, allocated, width]`` sharing one slot axis.
 
-    Memory: growing copies the live slots once per ``GROWTH_STEP`` positions, and at most
-    ``GROWTH_STEP - 1`` allocated slots are not live (a short chat on a long-context
-    model holds kilobytes, not the whole context). Writes use MLX slice assignment,
-    which updates in place when the buffer is donated.
+    Memory: buffers start at one ``GROWTH_STEP`` (a short chat on a long-context model
+    holds kilobytes, not the whole context) and grow by ``GROWTH_FACTOR``, so filling
+    ``n`` slots copies O(n) rows in all; a first ``reserve`` allocates what the caller knows
+    it needs at once (the engine does, for prompt + max_tokens), and nothing is copied.
+    Writes use MLX slice assignment, which updates in place when the buffer is donated.
 
     ``stacks`` keeps some buffers in one array each (``Stacks``). Every slice assignment
     is a graph node and a kernel launch per token and layer, so a decode step that writes
@@ -103,9 +113,12 @@ class SlotBuffers:
         }
 
     def reserve(self, slots: int, live: int) -> None:
-        """Make at least ``slots`` slots allocated, keeping the contents of ``[0, live)``."""
+        """Make at least ``slots`` slots allocated (never more than capacity), keeping the
+        contents of ``[0, live)``: ``slots`` rounded up to a ``GROWTH_STEP``, and when buffers
+        are already allocated, at least ``GROWTH_FACTOR`` times what they hold."""
         if slots <= self.allocated:
             return
+        slots = max(slots, math.ceil(self.allocated * GROWTH_FACTOR))
         grown = self._empty(min(self.capacity, -(-slots // self.step) * self.step))
         if live:
             for key, array in self._storage.items():
@@ -172,6 +185,9 @@ class BufferedSlotCache(SlotCache):
     def __init__(self, spec: LayerSpec, layout: Layout, stacks: Stacks | None = None):
         super().__init__(spec)
         self.slots = SlotBuffers(spec, self.capacity, layout, stacks=stacks)
+
+    def reserve(self, positions):
+        self.slots.reserve(min(positions, self.capacity), live=self._length)
 
     def export_slots(self, length):
         return self.slots.read(length)

@@ -66,7 +66,8 @@ class WindowCache(LayerCache):
 
     def _commit(self, keys: mx.array, values: mx.array) -> None:
         for slot, offset, n in self._survivor_runs(self._position, keys.shape[2]):
-            self.inner.write(slot, keys[:, :, offset : offset + n], values[:, :, offset : offset + n])
+            rows = slice(offset, offset + n)
+            self.inner.write(slot, keys[:, :, rows], values[:, :, rows], self._position + offset)
         self._position += keys.shape[2]
 
     # -- LayerCache -------------------------------------------------------------
@@ -109,6 +110,9 @@ class WindowCache(LayerCache):
         self._commit(keys, values)
         return out
 
+    def reserve(self, positions):
+        self.inner.reserve(min(positions, self.window.max_size))
+
     def prepare_for_attention(self):
         return self.inner.prepare_for_attention()
 
@@ -148,8 +152,8 @@ class WindowCache(LayerCache):
 
 
 def wrap_window(window: Window, create_inner, specs):
-    """Create inner caches sized to the window and wrap each in a ``WindowCache``."""
-    inner = create_inner([spec.with_max_positions(window.max_size) for spec in specs])
+    """Create inner caches sized to the window (slots reused from ``keep`` on) and wrap each in a ``WindowCache``."""
+    inner = create_inner([spec.with_ring(window.max_size, window.keep) for spec in specs])
     for cache in inner:
         if not isinstance(cache, SlotCache):
             raise ConfigError(

@@ -5,8 +5,10 @@ import gc
 import mlx.core as mx
 import pytest
 
-from butter_core import ConfigError, LayerSpec
-from butter_core.slots import SlotBuffers
+from butter_core import ConfigError, LayerSpec, LoadOptions, Window
+from butter_core.model import Model
+from butter_core.slots import GROWTH_STEP, SlotBuffers
+from butter_core.testing.tiny_models import TinySpec
 
 SPEC = LayerSpec(n_kv_heads=2, head_dim=8, max_positions=600)
 LAYOUT = {"a": (4, mx.uint32), "b": (4, mx.uint32), "c": (2, mx.float16), "d": (2, mx.float16), "e": (3, mx.float16)}
@@ -89,3 +91,41 @@ def test_rows_must_cover_each_buffer_once(keys):
     buffers = SlotBuffers(SPEC, SPEC.max_positions, LAYOUT, stacks=STACKS)
     with pytest.raises(ConfigError, match="each of"):
         buffers.write(0, {k: given.get(k, named["a"]) for k in keys}, live=0)
+
+
+def test_growth_is_geometric_and_keeps_what_was_written():
+    """Appending a long prompt chunk by chunk reallocates O(log n) times, not once per 256
+    slots (which copied O(n**2) rows in all: 93x the writes at 32k positions)."""
+    spec = LayerSpec(n_kv_heads=1, head_dim=8, max_positions=40_000)
+    buffers = SlotBuffers(spec, spec.max_positions, {"k": (2, mx.float32)})
+    sizes = []
+    for start in range(0, 32_768, 512):
+        buffers.write(start, {"k": mx.full((1, 1, 512, 2), start, mx.float32)}, live=start)
+        if buffers.allocated not in sizes:
+            sizes.append(buffers.allocated)
+    assert len(sizes) <= 20 and sizes[0] == 512 and all(b >= 1.25 * a for a, b in zip(sizes, sizes[1:]))
+    assert all(size % GROWTH_STEP == 0 for size in sizes) and sizes[-1] <= 1.25 * 32_768 + GROWTH_STEP
+    held = buffers.read(32_768)["k"][0, 0, ::512, 0]
+    assert held.tolist() == list(range(0, 32_768, 512))
+
+
+def test_growth_stops_at_capacity():
+    spec = LayerSpec(n_kv_heads=1, head_dim=8, max_positions=1000)
+    buffers = SlotBuffers(spec, spec.max_positions, {"k": (2, mx.float32)})
+    for start in range(0, 1000, 100):
+        buffers.write(start, {"k": mx.ones((1, 1, 100, 2))}, live=start)
+    assert buffers.allocated == 1000
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_first_reserve_allocates_once_what_was_asked(tiny_model):
+    model = Model.load(str(tiny_model(TinySpec())), LoadOptions(max_context_length=500))
+    caches = model.engine.make_layer_caches()
+    generation = model.generate(list(range(300)), caches, max_tokens=20, stop_ids=())
+    assert [cache.slots.allocated for cache in caches] == [500, 500]  # 320 rounded up to a step, capped at 500
+    for _ in generation:
+        assert [cache.slots.allocated for cache in caches] == [500, 500]  # never grown while generating
+    windowed = Model.load(str(tiny_model(TinySpec())), LoadOptions(kv_eviction=Window(64, keep=4)))
+    caches = windowed.engine.make_layer_caches()
+    windowed.generate(list(range(300)), caches, max_tokens=20)
+    assert [cache.inner.slots.allocated for cache in caches] == [64, 64]

@@ -28,6 +28,17 @@ WINDOW_PATTERNS = {
     "chunk-larger-than-ring": [2, 70, 1],
     "from-empty-huge-chunk": [90],
 }
+CHUNKING_WINDOWS = {
+    "no-window": None,
+    "24-keep-4": WINDOW,
+    "48-keep-4": Window(max_size=48, keep=4),
+    "40-keep-0": Window(max_size=40, keep=0),
+    "100-keep-10": Window(max_size=100, keep=10),
+}
+"""Windows whose rings wrap several times under ``CHUNKING_SCHEDULE`` (44 ring slots: a
+period of 32 does not divide it; 90 slots after 10 sinks)."""
+CHUNKING_SCHEDULE = [51, 1, 1, 46, 1, 97, 1]
+"""Chunks that wrap a window's ring mid-chunk and in slot order (issue 30's reproduction)."""
 
 
 def make_cache(kind, spec: LayerSpec, window: Window | None = None):
@@ -127,6 +138,23 @@ class WindowTests(SchemeFixtures):
         one_out = mx.concatenate([out for out, _ in singles], axis=2)
         assert relative_error(chunks[0][0], one_out) <= 2 * attention_tolerance
         assert one.length == chunked.length == WINDOW.max_size
+
+    @pytest.mark.parametrize("window", CHUNKING_WINDOWS.values(), ids=CHUNKING_WINDOWS.keys())
+    def test_what_decode_sees_does_not_depend_on_the_chunking(
+        self, cache_kind, layer_spec, attention_tolerance, chunking_tolerance, window
+    ):
+        """The same positions, fed in ``CHUNKING_SCHEDULE`` or one at a time: the next tokens'
+        attention agrees within ``chunking_tolerance``, and each within the scheme's tolerance
+        of exact attention over the window, however the ring wrapped inside a chunk."""
+        decode = [1] * 8
+        outputs = []
+        for pattern in (CHUNKING_SCHEDULE + decode, [1] * sum(CHUNKING_SCHEDULE) + decode):
+            cache, reference = make_cache(cache_kind, layer_spec, window), ReferenceCache(window)
+            steps = list(run_chunks(cache, reference, layer_spec, pattern, seed=5))[-len(decode) :]
+            for out, ref in steps:
+                assert relative_error(out, ref) <= attention_tolerance
+            outputs.append(mx.concatenate([out for out, _ in steps], axis=2))
+        assert relative_error(outputs[0], outputs[1]) <= chunking_tolerance
 
     def test_sinks_pinned_and_ring_fifo(self, cache_kind, layer_spec, attention_tolerance):
         cache, reference = make_cache(cache_kind, layer_spec, WINDOW), ReferenceCache(WINDOW)

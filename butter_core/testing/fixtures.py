@@ -51,6 +51,15 @@ class SchemeFixtures:
         raise NotImplementedError("provide attention_tolerance(cache_kind, dtype) -> relative error bound")
 
     @pytest.fixture
+    def chunking_tolerance(self, attention_tolerance) -> float:
+        """Largest allowed relative difference between decode attention over the same positions
+        stored in different chunkings (a chunked prefill against one token at a time), under
+        any window. Default: an eighth of ``attention_tolerance`` — storage should hold a
+        position alike however it arrived, up to rounding; a scheme that encodes a chunk's
+        tokens jointly may raise it."""
+        return attention_tolerance / 8
+
+    @pytest.fixture
     def invalid_kinds(self) -> list:
         """Zero-argument callables that must each raise ``ConfigError`` (bad bits, group sizes...)."""
         raise NotImplementedError("provide invalid_kinds: callables that build invalid kinds")

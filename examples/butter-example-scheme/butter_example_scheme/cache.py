@@ -34,7 +34,7 @@ class FP8Cache(BufferedSlotCache):
         super().__init__(spec, layout)
         self._decode = kernels.decode if default_device_is_gpu() and kernels.available() else codec.decode
 
-    def store(self, start, keys, values):
+    def store(self, start, keys, values, position):
         key_codes, key_scales = codec.encode(keys, self.scale_dtype)
         value_codes, value_scales = codec.encode(values, self.scale_dtype)
         rows = {"keys": key_codes, "key_scales": key_scales, "values": value_codes, "value_scales": value_scales}

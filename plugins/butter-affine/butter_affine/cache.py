@@ -35,7 +35,7 @@ class AffineCache(BufferedSlotCache):
         self.ops: AffineOps = select_ops(self.format)
         self.pipeline = pipeline
 
-    def store(self, start, keys, values):
+    def store(self, start, keys, values, position):
         rows = self.ops.quantize(keys.astype(self.spec.dtype), values.astype(self.spec.dtype))
         self.slots.write(start, rows, live=self.length)
 

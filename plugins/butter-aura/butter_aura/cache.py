@@ -16,9 +16,10 @@ from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_p
 from butter_aura.rotation import Rotation, layer_seed
 from butter_aura.stored import StoredLayer
 
-FULL_PRECISION_ARRAYS = ("fp_keys", "fp_values", "recent_slots")
-"""State arrays beside the slot buffers: the full-precision rows and which slots they hold
-(the cache keeps the last on the host: ``AuraCache._recent``)."""
+FULL_PRECISION_ARRAYS = ("fp_keys", "fp_values", "recent_slots", "recent_positions")
+"""State arrays beside the slot buffers: the full-precision rows, which slots they hold and
+the positions those slots held when written (the cache keeps the last two on the host:
+``AuraCache._recent``, ``AuraCache._recent_positions``)."""
 
 
 class AuraCache(BufferedSlotCache):
@@ -26,8 +27,11 @@ class AuraCache(BufferedSlotCache):
 
     Storage per slot and KV head: ``key_codes``/``value_codes`` (uint32, the codec's
     words) and ``key_scales``/``value_scales`` (float16). Beside the slots, the sink
-    slots and the most recently written slots keep 16-bit copies of their original
-    vectors (``FullPrecisionBudget``), which attention reads instead of their codes.
+    slots and the slots of the newest positions keep 16-bit copies of their original
+    vectors (``FullPrecisionBudget``), which attention reads instead of their codes. Newest
+    by absolute position: under window eviction slots are reused, and a window writes a
+    chunk that wraps its ring in slot order, so of two positions whose slots share a row
+    the newer keeps it, whichever was written last.
     The two scale buffers share one array, as do the two code buffers where keys and
     values have equal bits (``layout.stacks_for``), so an append writes fewer arrays.
 
@@ -60,7 +64,7 @@ class AuraCache(BufferedSlotCache):
             "value_scales": (self.value_codec.groups, SCALE_DTYPE),
         }
         super().__init__(spec, layout, stacks=stacks_for(self.key_codec, self.value_codec))
-        self.budget = FullPrecisionBudget.for_capacity(self.capacity)
+        self.budget = FullPrecisionBudget.for_capacity(self.capacity, spec.ring_start)
         self.fp_dtype = full_precision_dtype(spec.dtype)
         self.rotation = Rotation(layer_seed(seed, spec.layer_index), spec.n_kv_heads, spec.head_dim)
         self.ops = ops or reference
@@ -70,6 +74,9 @@ class AuraCache(BufferedSlotCache):
         the ``recent_slots`` array kernels read from it, so a decode step updates no device
         array for it (one kernel launch fewer per layer than a slice assignment), and the
         CPU path and the kernels' ring bounds read it without a device sync."""
+        self._recent_positions = [-1] * self.budget.ring
+        """The position each recent-ring row's slot held when written (-1: none): a row goes to
+        the newer of two positions."""
         self._pending: tuple[int, mx.array, mx.array] | None = None
         self._unencoded: list[int] = []
         """Recent-ring slots whose codes are not written yet (``store``); each is in the ring."""
@@ -85,7 +92,7 @@ class AuraCache(BufferedSlotCache):
         mx.eval(arrays)
         return arrays
 
-    def store(self, start, keys, values):
+    def store(self, start, keys, values, position):
         """Encode and write the rows, and copy those the budget keeps into the full-precision rows.
 
         A single token bound for the recent ring is not encoded yet: attention reads it
@@ -96,24 +103,25 @@ class AuraCache(BufferedSlotCache):
         codes are those of the ring's copy: for 16-bit models the token itself, so those an
         immediate encode would write; for float32 models its float16 copy, the copy attention
         read while the token was in the ring (``_defers``)."""
-        if self._defers(start, keys):
+        if self._defers(start, keys, position):
             self.slots.reserve(start + 1, live=self.length)
-            held = self._recent[self.budget.row_of(start) - self.budget.sinks]
+            held = self._recent[self.budget.ring_index(start)]
             if held != start and held in self._unencoded:
                 self._encode_unencoded()
-            self._keep_full_precision(start, keys, values)
+            self._keep_full_precision(start, keys, values, position)
             if start not in self._unencoded:
                 self._unencoded.append(start)
         else:
             self._encode_unencoded()
             rows = self.ops.encode_rows(keys, values, self.rotation, self.key_codec, self.value_codec)
             self.slots.write(start, rows, live=self.length)
-            self._keep_full_precision(start, keys, values)
+            self._keep_full_precision(start, keys, values, position)
         self._pending = (start, keys, values)
 
-    def _defers(self, start: int, keys: mx.array) -> bool:
-        """Whether ``store`` may leave these rows' codes for later: one token, bound for the
-        recent ring, in the dtype the ring keeps or in float32 (whose ring keeps float16).
+    def _defers(self, start: int, keys: mx.array, position: int) -> bool:
+        """Whether ``store`` may leave these rows' codes for later: one token, bound for a
+        recent-ring row it takes (the newest position of its row), in the dtype the ring
+        keeps or in float32 (whose ring keeps float16).
 
         Coding float32 tokens from their float16 copies changes 0.4% of aura4v2's packed
         4-bit code words (a code at a decision boundary moves one level) against coding them
@@ -121,7 +129,8 @@ class AuraCache(BufferedSlotCache):
         model's decode step its encode: 30 default-model layers at 1k, 1.0 ms an append
         against 7.9, 8.74 decode tok/s against 8.06 (``butter bench``, 2-core CPU,
         2026-12-02; docs/benchmarks.md)."""
-        return (keys.shape[2] == 1 and start >= self.budget.sinks and self.budget.recent > 0
+        index = self.budget.ring_index(start) if start >= self.budget.sinks else None
+        return (keys.shape[2] == 1 and index is not None and position >= self._recent_positions[index]
                 and keys.dtype in (self.fp_dtype, mx.float32))
 
     def _encode_unencoded(self) -> None:
@@ -144,26 +153,37 @@ class AuraCache(BufferedSlotCache):
                 self.slots.write(slots[first], run, live=self.length)
                 first = i
 
-    def _keep_full_precision(self, start: int, keys: mx.array, values: mx.array) -> None:
-        """Copy the written rows that are sinks, and the last ``recent`` others, into the full-precision rows."""
-        sinks, recent = self.budget.sinks, self.budget.recent
+    def _keep_full_precision(self, start: int, keys: mx.array, values: mx.array, position: int) -> None:
+        """Copy the written rows that are sinks, and those that are now the newest position of
+        their recent-ring row, into the full-precision rows."""
+        budget, fp = self.budget, self._fp
         end = start + keys.shape[2]
-        fp = self._fp
-        if start < sinks:
-            stop = min(sinks, end)
+        if start < budget.sinks:
+            stop = min(budget.sinks, end)
             fp["fp_keys"][:, :, start:stop] = keys[:, :, : stop - start].astype(self.fp_dtype)
             fp["fp_values"][:, :, start:stop] = values[:, :, : stop - start].astype(self.fp_dtype)
-        first = max(start, sinks, end - recent)
-        while recent and first < end:
-            # A run of slots whose ring rows are consecutive (at most two runs: the ring wraps once).
-            residue = (first - sinks) % recent
-            stop = min(end, first + recent - residue)
-            n = stop - first
-            rows = slice(sinks + residue, sinks + residue + n)
-            fp["fp_keys"][:, :, rows] = keys[:, :, first - start : stop - start].astype(self.fp_dtype)
-            fp["fp_values"][:, :, rows] = values[:, :, first - start : stop - start].astype(self.fp_dtype)
-            self._recent[residue : residue + n] = range(first, stop)
-            first = stop
+        # Only the last `ring` slots of a write can be the last of it to use their row.
+        last_of_row: dict[int, int] = {}
+        for slot in range(max(start, budget.base, end - budget.ring), end):
+            index = budget.ring_index(slot)
+            if index is not None:
+                last_of_row[index] = slot
+        taken = sorted(
+            (index, slot) for index, slot in last_of_row.items()
+            if position + slot - start >= self._recent_positions[index]
+        )  # fmt: skip
+        first = 0
+        for i in range(1, len(taken) + 1):
+            # A run of rows and slots that both step by one: one slice assignment each.
+            if i < len(taken) and taken[i] == (taken[i - 1][0] + 1, taken[i - 1][1] + 1):
+                continue
+            (index, slot), n = taken[first], i - first
+            rows, source = slice(budget.sinks + index, budget.sinks + index + n), slice(slot - start, slot - start + n)
+            fp["fp_keys"][:, :, rows] = keys[:, :, source].astype(self.fp_dtype)
+            fp["fp_values"][:, :, rows] = values[:, :, source].astype(self.fp_dtype)
+            self._recent[index : index + n] = range(slot, slot + n)
+            self._recent_positions[index : index + n] = range(position + slot - start, position + slot - start + n)
+            first = i
 
     def stored(self, length: int | None = None) -> StoredLayer:
         """What attention reads: the coded slots ``[0, length)`` (default: all live) and the full-precision rows."""
@@ -178,7 +198,7 @@ class AuraCache(BufferedSlotCache):
             fp_values=self._fp["fp_values"],
             recent_slots=kernel_params(self._recent, mx.int32),
             length=length,
-            sinks=self.budget.sinks,
+            budget=self.budget,
             key_codec=self.key_codec,
             value_codec=self.value_codec,
             rotation=self.rotation,
@@ -219,6 +239,9 @@ class AuraCache(BufferedSlotCache):
             "fp_keys": mx.array(self._fp["fp_keys"]),
             "fp_values": mx.array(self._fp["fp_values"]),
             "recent_slots": mx.array([slot if slot < length else -1 for slot in self._recent], dtype=mx.int32),
+            "recent_positions": mx.array(
+                [at if slot < length else -1 for slot, at in zip(self._recent, self._recent_positions)], dtype=mx.int32
+            ),
         }
 
     def import_slots(self, arrays, length):
@@ -229,7 +252,7 @@ class AuraCache(BufferedSlotCache):
                 "it was exported by another kind of cache"
             )
         expected = {name: (array.shape, array.dtype) for name, array in self._empty_full_precision().items()}
-        expected["recent_slots"] = ((self.budget.ring,), mx.int32)
+        expected["recent_slots"] = expected["recent_positions"] = ((self.budget.ring,), mx.int32)
         for name, array in fp.items():
             if array.shape != expected[name][0]:
                 raise ConfigError(
@@ -239,6 +262,7 @@ class AuraCache(BufferedSlotCache):
         super().import_slots({k: v for k, v in arrays.items() if k not in FULL_PRECISION_ARRAYS}, length)
         self._fp = {name: mx.array(fp[name]).astype(expected[name][1]) for name in ("fp_keys", "fp_values")}
         self._recent = fp["recent_slots"].astype(mx.int32).tolist()
+        self._recent_positions = fp["recent_positions"].astype(mx.int32).tolist()
         self._pending = None
         self._unencoded = []
 
@@ -259,6 +283,9 @@ class AuraCache(BufferedSlotCache):
         super().truncate(length)
         self._pending = None
         self._unencoded = [slot for slot in self._unencoded if slot < length]
+        for index, slot in enumerate(self._recent):
+            if slot >= length:  # the row is free for the positions written there next
+                self._recent[index] = self._recent_positions[index] = -1
 
     def buffers(self):
         return super().buffers() + list(self._fp.values()) + self.rotation.arrays()
@@ -273,5 +300,6 @@ class AuraCache(BufferedSlotCache):
 
     @property
     def _recent_nbytes(self) -> int:
-        """Bytes of the ``recent_slots`` array ``stored`` makes (int32 per ring row), counted as held."""
-        return 4 * self.budget.ring
+        """Bytes of the ``recent_slots`` array ``stored`` makes and of ``recent_positions``
+        (int32 per ring row each), counted as held."""
+        return 8 * self.budget.ring

@@ -64,31 +64,67 @@ def full_precision_dtype(model_dtype: mx.Dtype) -> mx.Dtype:
 
 @attrs.frozen
 class FullPrecisionBudget:
-    """How many sink and recent rows a cache of ``capacity`` slots keeps in full precision.
+    """Which slots of a cache of ``capacity`` slots keep full-precision copies, and in which row.
 
-    Row ``i < sinks`` mirrors slot ``i``; a recent slot ``s`` lives in row
-    ``sinks + (s - sinks) % recent``, and ``recent_slots[(s - sinks) % recent] == s``
-    says that row holds it (a newer write to a slot with the same residue takes the
-    row). ``recent`` may be 0 (tiny capacities); the arrays then keep one unused row.
+    Row ``i < sinks`` mirrors slot ``i``. The recent rows (``ring`` of them, after the
+    sinks) hold the newest positions: a slot ``s`` of ``[base, capacity)`` has the ring row
+    ``ring_index(s)``, ``(s - base) % recent`` below ``tail`` and a row of its own from
+    ``tail`` on, and ``recent_slots[ring_index(s)] == s`` says that the row holds it (the
+    cache gives a row to the newer of two positions whose slots share it).
+
+    Without eviction slot ``s`` holds position ``s``: ``base`` is ``sinks`` and there are no
+    rows of their own (``tail == capacity``), so the last ``recent`` slots have distinct
+    rows. Under window eviction (``LayerSpec.ring_start``) slots are reused in turn from
+    ``ring_start`` on, and any ``recent`` slots that are consecutive *in turn* must have
+    distinct rows, across the wrap from the last slot to the first too: ``base`` is the
+    ring's first slot (or ``sinks``, if later), and the slots past the last whole run of
+    ``recent`` (``tail`` on) get rows of their own. So the newest ``recent`` positions are
+    always in full precision, whatever the window's size and however tokens were chunked.
+    ``recent`` may be 0 (tiny capacities); the arrays then keep one unused row.
     """
 
     sinks: int
     recent: int
+    base: int
+    tail: int
+    capacity: int
 
     @classmethod
-    def for_capacity(cls, capacity: int, sinks: int = SINKS, recent: int = RECENT) -> FullPrecisionBudget:
+    def for_capacity(
+        cls, capacity: int, ring_start: int | None = None, sinks: int = SINKS, recent: int = RECENT
+    ) -> FullPrecisionBudget:
         kept = min(sinks, capacity)
-        return cls(kept, min(recent, capacity - kept))
-
-    @property
-    def rows(self) -> int:
-        """Rows the full-precision arrays hold (at least one, so no array is empty)."""
-        return self.sinks + max(self.recent, 1)
+        base = kept if ring_start is None else max(kept, ring_start)
+        recent = min(recent, capacity - base)
+        if ring_start is None or recent == 0:
+            return cls(kept, recent, base, capacity, capacity)
+        return cls(kept, recent, base, base + (capacity - base) // recent * recent, capacity)
 
     @property
     def ring(self) -> int:
-        """Length of ``recent_slots`` (at least one)."""
-        return max(self.recent, 1)
+        """Rows of the recent ring, ``len(recent_slots)`` (at least one)."""
+        return max(self.recent + self.capacity - self.tail, 1)
 
-    def row_of(self, slot: int) -> int:
-        return slot if slot < self.sinks else self.sinks + (slot - self.sinks) % self.ring
+    @property
+    def rows(self) -> int:
+        """Rows the full-precision arrays hold."""
+        return self.sinks + self.ring
+
+    def ring_index(self, slot: int) -> int | None:
+        """The recent row (index into ``recent_slots``) a slot may use; None for the sinks and for
+        slots between them and ``base`` (the window's own sinks past these), which have none."""
+        if slot < self.base or self.recent == 0:
+            return None
+        return (slot - self.base) % self.recent if slot < self.tail else self.recent + slot - self.tail
+
+    def row_of(self, slot: int) -> int | None:
+        """The full-precision row of ``slot``: itself for a sink, ``sinks`` + its ring index for a
+        recent slot, None for slots that never have one."""
+        if slot < self.sinks:
+            return slot
+        index = self.ring_index(slot)
+        return None if index is None else self.sinks + index
+
+    def params(self) -> tuple[int, int, int, int]:
+        """``(sinks, recent, base, tail)``: what kernels need to find a slot's ring index."""
+        return self.sinks, self.recent, self.base, self.tail

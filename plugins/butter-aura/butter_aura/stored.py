@@ -12,6 +12,7 @@ import attrs
 import mlx.core as mx
 
 from butter_aura.codec import Codec
+from butter_aura.layout import FullPrecisionBudget
 from butter_aura.rotation import Rotation
 
 
@@ -24,7 +25,7 @@ class StoredLayer:
     ``[batch, kv_heads, rows, head_dim]`` copies of the original (unrotated) vectors of
     the full-precision slots: row ``s`` for a sink slot ``s < sinks``; row
     ``sinks + r`` for the recent slot ``recent_slots[r]`` (int32, -1 when empty), where
-    ``r = (slot - sinks) % len(recent_slots)``.
+    ``r = budget.ring_index(slot)`` (``layout.FullPrecisionBudget``).
     """
 
     key_codes: mx.array
@@ -35,7 +36,7 @@ class StoredLayer:
     fp_values: mx.array
     recent_slots: mx.array
     length: int
-    sinks: int
+    budget: FullPrecisionBudget
     key_codec: Codec
     value_codec: Codec
     rotation: Rotation
@@ -46,25 +47,29 @@ class StoredLayer:
     def __attrs_post_init__(self):
         if not 0 <= self.length <= self.key_codes.shape[2]:
             raise ValueError(f"length {self.length} outside 0..{self.key_codes.shape[2]} allocated slots")
-        if self.fp_keys.shape[2] != self.sinks + self.recent_slots.shape[0]:
+        if self.recent_slots.shape[0] != self.budget.ring or self.fp_keys.shape[2] != self.budget.rows:
             raise ValueError(
-                f"{self.fp_keys.shape[2]} full-precision rows do not hold {self.sinks} sinks "
-                f"+ {self.recent_slots.shape[0]} recent slots"
+                f"{self.fp_keys.shape[2]} full-precision rows and {self.recent_slots.shape[0]} recent slots do not fit "
+                f"{self.budget}: {self.budget.sinks} sinks + {self.budget.ring} recent rows"
             )
 
     @property
-    def ring(self) -> int:
-        """Rows of the recent ring."""
-        return self.recent_slots.shape[0]
+    def sinks(self) -> int:
+        """Leading slots always held in full precision."""
+        return self.budget.sinks
 
     def full_precision_map(self, length: int | None = None) -> tuple[mx.array, mx.array]:
         """For slots ``[0, length)``: whether each is read in full precision, and its row (bool, int32)."""
         length = self.length if length is None else length
+        budget = self.budget
         slots = mx.arange(length, dtype=mx.int32)
-        sink = slots < self.sinks
-        residue = mx.where(sink, 0, slots - self.sinks) % self.ring
-        member = sink | (mx.take(self.recent_slots, residue) == slots)
-        return member, mx.where(sink, slots, self.sinks + residue)
+        sink = slots < budget.sinks
+        ringed = (slots >= budget.base) & (budget.recent > 0)
+        period = max(budget.recent, 1)
+        index = mx.where(slots < budget.tail, (slots - budget.base) % period, budget.recent + slots - budget.tail)
+        index = mx.where(ringed, index, 0)
+        member = sink | (ringed & (mx.take(self.recent_slots, index) == slots))
+        return member, mx.where(sink, slots, budget.sinks + index)
 
     def recent_on_host(self) -> Sequence[int]:
         """``recent_slots`` as host integers: ``recent_host``, else read from the array."""
@@ -80,8 +85,8 @@ class StoredLayer:
         """``full_precision_map`` on the host: the slots of ``[0, length)`` read in full precision, and their rows."""
         sinks = min(self.sinks, self.length)
         slots, rows = list(range(sinks)), list(range(sinks))
-        for residue, slot in enumerate(self.recent_on_host()):
-            if self.sinks <= slot < self.length and (slot - self.sinks) % self.ring == residue:
+        for index, slot in enumerate(self.recent_on_host()):
+            if self.sinks <= slot < self.length and self.budget.ring_index(slot) == index:
                 slots.append(slot)
-                rows.append(self.sinks + residue)
+                rows.append(self.sinks + index)
         return slots, rows

@@ -6,6 +6,8 @@ import math
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from butter_core import Aura, ConfigError, LayerSpec, Window, make_layer_caches, parse_kv_cache
 from butter_core.cache import reference_attention
@@ -235,9 +237,25 @@ def test_float32_ring_tokens_hold_the_codes_of_their_float16_copies():
 
 
 def test_budget_shrinks_to_tiny_capacities():
-    assert FullPrecisionBudget.for_capacity(9) == FullPrecisionBudget(4, 5)
-    assert FullPrecisionBudget.for_capacity(3) == FullPrecisionBudget(3, 0)
+    assert FullPrecisionBudget.for_capacity(9) == FullPrecisionBudget(4, 5, 4, 9, 9)
+    assert FullPrecisionBudget.for_capacity(3) == FullPrecisionBudget(3, 0, 3, 3, 3)
     assert FullPrecisionBudget.for_capacity(3).rows == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 200), ring_start=st.integers(0, 199), newest=st.integers(0, 10_000))
+def test_a_windows_newest_positions_have_distinct_rows(capacity, ring_start, newest):
+    """Whatever the window, the slots of the newest ``recent`` positions (consecutive in the
+    order the window reuses slots, across its wrap) have rows of their own: a window of 44
+    ring slots used to share 12 of the 32 rows between the wrap's two sides."""
+    ring_start %= capacity
+    budget = FullPrecisionBudget.for_capacity(capacity, ring_start)
+    ring = capacity - ring_start
+    positions = range(max(0, newest - budget.recent + 1), newest + 1)
+    slots = {p if p < ring_start else ring_start + (p - ring_start) % ring for p in positions}
+    indices = [budget.ring_index(slot) for slot in slots if slot >= budget.base]
+    assert len(set(indices)) == len(indices) and all(0 <= i < budget.ring for i in indices)
+    assert budget.capacity - budget.tail < max(budget.recent, 1)  # rows of their own: fewer than a period
 
 
 def test_prefill_chunk_attends_itself_exactly():
@@ -288,3 +306,31 @@ def test_cli_strings():
     assert parse_kv_cache("aura3v8") == Aura(3, 8)
     with pytest.raises(ConfigError):
         parse_kv_cache("aura4v5")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    max_size=st.integers(6, 120),
+    keep=st.integers(0, 12),
+    schedule=st.lists(st.integers(1, 130), min_size=1, max_size=7),
+)
+def test_the_newest_positions_are_in_full_precision_under_any_window_and_chunking(max_size, keep, schedule):
+    """After every chunk, the slots of the newest ``RECENT`` positions past the window's sinks
+    are read from full-precision rows holding exactly those tokens (a 44-slot ring, window
+    (48, 4), under ``[51, 1, 1, 46, 1, 97, 1]`` kept only about 20 of them before)."""
+    keep = min(keep, max_size - 1)
+    window = Window(max_size, keep)
+    (cache,) = make_layer_caches(Aura(4, 2), [spec(capacity=4096)], window)
+    keys = normal((1, 2, sum(schedule), 64), 21)
+    position = 0
+    for tokens in schedule:
+        cache.append(keys[:, :, position : position + tokens], keys[:, :, position : position + tokens])
+        position += tokens
+        inner, held = cache.inner, cache.slot_positions().tolist()
+        stored = inner.stored()
+        exact, rows = stored.full_precision_slots()
+        newest = range(max(keep, position - inner.budget.recent, position - window.ring_size), position)
+        wanted = {held.index(p) for p in newest if held.index(p) >= inner.budget.base}
+        assert wanted <= set(exact), (sorted(wanted - set(exact)), window, schedule)
+        for slot, row in zip(exact, rows):
+            assert mx.array_equal(stored.fp_keys[:, :, row], keys[:, :, held[slot]].astype(stored.fp_keys.dtype)).item()

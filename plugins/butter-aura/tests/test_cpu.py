@@ -16,7 +16,7 @@ from butter_aura import cpu, packing, reference
 from butter_aura.codec import Codec
 from butter_aura.kernels import ops_for
 from butter_aura.kernels.checks import ATTENTION_RTOL, make_stored
-from butter_aura.layout import codecs
+from butter_aura.layout import FullPrecisionBudget, codecs
 from butter_aura.rotation import Rotation
 
 pytestmark = pytest.mark.usefixtures("on_the_cpu")  # the CPU path, where it runs, on any machine
@@ -198,22 +198,25 @@ def test_attention_rejects_what_the_reference_rejects():
 @settings(max_examples=200, deadline=None)
 @given(
     sinks=st.integers(0, 4),
-    ring=st.integers(1, 8),
-    length=st.integers(1, 40),
-    entries=st.lists(st.integers(-1, 45), min_size=8, max_size=8),
+    period=st.integers(1, 8),
+    ring_start=st.one_of(st.none(), st.integers(0, 10)),
+    length=st.integers(1, 48),
+    entries=st.lists(st.integers(-1, 50), min_size=48, max_size=48),
     known_on_host=st.booleans(),
 )
-def test_full_precision_slots_are_the_map_on_the_host(sinks, ring, length, entries, known_on_host):
-    """Any ring contents (stale, empty, misplaced entries): the host list is ``full_precision_map``, and the
-    coded span holds exactly the other slots plus, masked, the full-precision slots inside it."""
+def test_full_precision_slots_are_the_map_on_the_host(sinks, period, ring_start, length, entries, known_on_host):
+    """Any ring contents (stale, empty, misplaced entries), with or without a window's rows of
+    their own: the host list is ``full_precision_map``, and the coded span holds exactly the
+    other slots plus, masked, the full-precision slots inside it."""
     stored = make_stored(0, length=length, allocated=48, sinks=0, recent=1, head_dim=64, encoded=False)["stored"]
-    recent = entries[:ring]
+    budget = FullPrecisionBudget.for_capacity(48, ring_start, sinks, period)
+    recent = entries[: budget.ring]
     stored = attrs.evolve(
         stored,
-        sinks=sinks,
+        budget=budget,
         recent_slots=mx.array(recent, dtype=mx.int32),
-        fp_keys=mx.zeros((1, 2, sinks + ring, 64)),
-        fp_values=mx.zeros((1, 2, sinks + ring, 64)),
+        fp_keys=mx.zeros((1, 2, budget.rows, 64)),
+        fp_values=mx.zeros((1, 2, budget.rows, 64)),
         recent_host=tuple(recent) if known_on_host else None,
     )
     slots, rows = stored.full_precision_slots()

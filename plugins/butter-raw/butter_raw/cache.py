@@ -24,7 +24,7 @@ class RawCache(BufferedSlotCache):
         dtype = spec.dtype if kind.dtype is None else getattr(mx, kind.dtype)
         super().__init__(spec, {"keys": (spec.head_dim, dtype), "values": (spec.head_dim, dtype)})
 
-    def store(self, start, keys, values):
+    def store(self, start, keys, values, position):
         self.slots.write(start, {"keys": keys, "values": values}, live=self.length)
 
     def load(self, length):

@@ -47,6 +47,7 @@ from butter_core.kernels import Kernel, gpu_backend, kernel_params, split_k, ten
 from butter_aura.codec import Codec
 from butter_aura.kernels import attention_mma
 from butter_aura.kernels.source import HELPERS
+from butter_aura.layout import FullPrecisionBudget
 from butter_aura.stored import StoredLayer
 
 LANES = 8
@@ -346,10 +347,12 @@ def decode_attention(
 
 
 def live_params(stored: StoredLayer) -> mx.array:
-    """What the kernels read of a layer's state when they run, as one int32 array: the live
-    length, sinks, ring rows, and the smallest and largest slot the ring holds."""
+    """What the kernels read of a layer's state when they run, as one int32 array
+    (``source.AuraSlotParams``): the live length, sinks, the recent ring's period, the
+    smallest and largest slot the ring holds, and where ring rows start and stop repeating."""
     lo, hi = stored.recent_range()
-    return kernel_params((stored.length, stored.sinks, stored.ring, lo, hi), mx.int32)
+    sinks, recent, base, tail = stored.budget.params()
+    return kernel_params((stored.length, sinks, recent, lo, hi, base, tail), mx.int32)
 
 
 def _check_decode(queries: mx.array, stored: StoredLayer) -> None:
@@ -418,7 +421,7 @@ def traced_decode_attention(queries: mx.array, stored: StoredLayer, scale: float
         return decode_attention(queries, stored, scale)
     _check_decode(queries, stored)
     traced = _traced(attrs.astuple(stored.key_codec, recurse=False), attrs.astuple(stored.value_codec, recurse=False),
-                     stored.sinks)
+                     stored.budget)
     return traced(queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
                   stored.value_scales, stored.fp_keys, stored.fp_values, stored.recent_slots, live_params(stored),
                   kernel_params((scale,), mx.float32))
@@ -434,9 +437,10 @@ class _TracedRotation:
 
 
 @functools.cache
-def _traced(key_fields: tuple, value_fields: tuple, sinks: int) -> Callable[..., mx.array]:
+def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget) -> Callable[..., mx.array]:
     """``decode_attention_live`` over a layer's arrays, traced per shape, for one pair of
-    codecs and sink count (named by their fields, so every layer of a model shares it)."""
+    codecs and full-precision budget (named by their fields, so every layer of a model
+    shares it)."""
     key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
 
     def graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,
@@ -444,7 +448,7 @@ def _traced(key_fields: tuple, value_fields: tuple, sinks: int) -> Callable[...,
         stored = StoredLayer(
             key_codes=key_codes, key_scales=key_scales, value_codes=value_codes, value_scales=value_scales,
             fp_keys=fp_keys, fp_values=fp_values, recent_slots=recent_slots, length=key_codes.shape[2],
-            sinks=sinks, key_codec=key_codec, value_codec=value_codec, rotation=_TracedRotation(signs),
+            budget=budget, key_codec=key_codec, value_codec=value_codec, rotation=_TracedRotation(signs),
         )
         return decode_attention_live(queries, stored, params, scale)
 

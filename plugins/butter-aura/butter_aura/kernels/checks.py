@@ -15,7 +15,7 @@ from butter_core.kernels import KernelCheck
 from butter_aura import reference
 from butter_aura.codec import SCALE_DTYPE, Codec
 from butter_aura.kernels import attention, dequantize, encode
-from butter_aura.layout import full_precision_dtype
+from butter_aura.layout import FullPrecisionBudget, full_precision_dtype
 from butter_aura.rotation import Rotation
 from butter_aura.stored import StoredLayer
 
@@ -40,15 +40,19 @@ def make_stored(
     sinks: int = 4,
     recent: int = 32,
     recent_end: int | None = None,
+    ring_start: int | None = None,
     encoded: bool = True,
 ) -> dict:
     """Queries and a ``StoredLayer`` of ``length`` live slots in buffers of ``allocated``.
 
     ``encoded``: slots hold the codes of random vectors (else random code words and
     scales, cheaper at long contexts). The recent ring holds the ``recent`` slots below
-    ``recent_end`` (default ``length``; less puts the ring inside the live range, as
-    after the window decorator wrapped), except one entry made stale (a slot past
-    ``length``) and one empty.
+    ``recent_end`` (default ``length``; less puts the ring inside the live range), except
+    one entry made stale (a slot past ``length``) and one empty. With ``ring_start`` the
+    slots are a window's ring (``length == allocated``, reused from ``ring_start`` on,
+    ``FullPrecisionBudget.for_capacity``): each ring row holds the slot of the newest
+    position it serves, the newest being at ``recent_end - 1``, as after the window
+    wrapped.
     """
     k_q, k_k, k_v, k_w1, k_w2, k_s = _keys(seed, 6)
     group = group or head_dim
@@ -70,11 +74,19 @@ def make_stored(
         scale_shape = (*shape[:3], key_codec.groups)
         key_scales = (mx.random.uniform(0.5, 1.5, scale_shape, key=k_s) * head_dim**-0.5 * 3).astype(SCALE_DTYPE)
         value_scales = (mx.random.uniform(0.5, 1.5, (*shape[:3], value_codec.groups), key=k_s) * 0.1).astype(SCALE_DTYPE)
-    ring = max(recent, 1)
-    recent_slots = [-1] * ring
     recent_end = length if recent_end is None else recent_end
-    for slot in range(max(sinks, recent_end - recent), recent_end):
-        recent_slots[(slot - sinks) % ring] = slot
+    if ring_start is None:
+        budget = FullPrecisionBudget(sinks, recent, sinks, allocated, allocated)
+        newest_first = range(recent_end - 1, max(sinks, recent_end - recent) - 1, -1)
+    else:
+        budget = FullPrecisionBudget.for_capacity(allocated, ring_start, sinks, recent)
+        region = list(range(budget.base, allocated))  # the order the window reuses them in
+        newest_first = [region[(region.index(recent_end) - k) % len(region)] for k in range(1, len(region) + 1)]
+    recent_slots = [-1] * budget.ring
+    for slot in newest_first:
+        index = budget.ring_index(slot)
+        if index is not None and recent_slots[index] < 0:
+            recent_slots[index] = slot
     if recent >= 2:
         recent_slots[0] = length + 3 if recent_slots[0] >= 0 else recent_slots[0]  # stale: past length
         recent_slots[1] = -1
@@ -90,7 +102,7 @@ def make_stored(
         fp_values=values[:, :, rows].astype(fp_dtype),
         recent_slots=mx.array(recent_slots, dtype=mx.int32),
         length=length,
-        sinks=sinks,
+        budget=budget,
         key_codec=key_codec,
         value_codec=value_codec,
         rotation=rotation,
@@ -196,6 +208,12 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
             {"length": 3000, "allocated": 4096, "q_heads": 28, "kv_heads": 4, "dtype": mx.float32, "group": 16,
              "sinks": 0, "recent": 0},
             {"length": 600, "allocated": 700, "q_heads": 6, "kv_heads": 3, "head_dim": 64, "sinks": 2, "recent": 5},
+            # Window rings (ring rows of their own past the last whole period, rows for the
+            # newest positions across the wrap): 296 ring slots, then 44, then keep 0.
+            {"length": 300, "allocated": 300, "ring_start": 4, "recent_end": 37},
+            {"length": 48, "allocated": 48, "ring_start": 4, "recent_end": 10, "dtype": mx.float16},
+            {"length": 120, "allocated": 120, "ring_start": 0, "recent_end": 119, "head_dim": 64, "key_bits": 8},
+            {"length": 200, "allocated": 200, "ring_start": 10, "recent_end": 30, "head_dim": 64},
         ),
         rtol=ATTENTION_RTOL,
     ),
@@ -237,6 +255,8 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
              "q_heads": 14, "kv_heads": 2},
             {"length": 3000, "allocated": 3000, "key_bits": 8, "value_bits": 8, "head_dim": 64, "dtype": mx.float16,
              "q_heads": 8, "kv_heads": 1, "encoded": False},
+            {"length": 300, "allocated": 300, "ring_start": 4, "recent_end": 37},
+            {"length": 48, "allocated": 48, "ring_start": 4, "recent_end": 10, "head_dim": 64, "dtype": mx.float16},
         ),
         rtol=ATTENTION_RTOL,
         backends=frozenset({"cuda"}),  # 64 KB of dynamic shared memory, which Metal's custom kernels lack
@@ -253,6 +273,8 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
             {"length": 100, "allocated": 256, "dtype": mx.float32, "head_dim": 64, "key_bits": 3, "value_bits": 2,
              "group": 32, "batch": 2},
             {"length": 60, "allocated": 64, "kv_heads": 3, "sinks": 0, "recent": 7},
+            {"length": 300, "allocated": 300, "ring_start": 4, "recent_end": 37},
+            {"length": 48, "allocated": 48, "ring_start": 10, "recent_end": 12, "dtype": mx.float16},
         ),
         rtol=ATTENTION_RTOL,
     ),

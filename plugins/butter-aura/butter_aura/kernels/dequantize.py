@@ -26,12 +26,14 @@ _DEQUANTIZE = Kernel(
     body="""
   // Template: T (output dtype), S (scale dtype), F (full-precision row dtype), D, KB/VB,
   // KG/VG. Grid: x = length * D (one block per slot), y = batch * kv_heads.
-  // params: [length, sinks, ring].
+  // params: [length, sinks, recent, base, tail] (layout.FullPrecisionBudget).
   constexpr int KW = (D * KB + 31) / 32;
   constexpr int VW = (D * VB + 31) / 32;
   const int length = params[0];
   const int sinks = params[1];
-  const int ring = params[2];
+  const int recent = params[2];
+  const int base = params[3];
+  const int tail = params[4];
   const int heads = key_codes_shape[1];
   const int allocated = key_codes_shape[2];
   const int rows_fp = fp_keys_shape[2];
@@ -50,11 +52,11 @@ _DEQUANTIZE = Kernel(
   for (int i = d; i < (1 << VB); i += D) {
     levels[(1 << KB) + i] = value_levels[i];
   }
-  const int residue = slot < sinks ? 0 : (slot - sinks) % ring;
-  const bool exact = slot < sinks || recent_slots[residue] == slot;
+  const int index = slot < base || recent == 0 ? -1 : aura_ring_index(slot, recent, base, tail);
+  const bool exact = slot < sinks || (index >= 0 && recent_slots[index] == slot);
   if (exact) {
     // Uniform over the block: every thread of this slot takes this branch.
-    const int64_t fp_at = (static_cast<int64_t>(batch_head) * rows_fp + (slot < sinks ? slot : sinks + residue)) * D + d;
+    const int64_t fp_at = (static_cast<int64_t>(batch_head) * rows_fp + (slot < sinks ? slot : sinks + index)) * D + d;
     keys[out_at] = bt_from_float<T>(bt_to_float(fp_keys[fp_at]));
     values[out_at] = bt_from_float<T>(bt_to_float(fp_values[fp_at]));
   } else {
@@ -93,7 +95,8 @@ def dequantize(stored: StoredLayer, dtype: mx.Dtype) -> tuple[mx.array, mx.array
     if stored.rotation.permutation is not None:
         raise ValueError(f"the dequantize kernel serves power-of-two head sizes; got {dims}")
     kc, vc = stored.key_codec, stored.value_codec
-    params = kernel_params((length, stored.sinks, stored.ring), mx.int32)
+    sinks, recent, base, tail = stored.budget.params()
+    params = kernel_params((length, sinks, recent, base, tail), mx.int32)
     keys, values = _DEQUANTIZE(
         inputs=[
             stored.key_codes, stored.key_scales, stored.value_codes, stored.value_scales, kc.book.levels_array(),

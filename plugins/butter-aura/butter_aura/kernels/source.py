@@ -6,9 +6,10 @@
   bit for bit alike; ``aura_fwht_warp`` the same over one warp's registers.
 * ``aura_group_sum``: a sum over aligned groups of threads whose size is only known at
   run time (a scale group may span several warps).
-* ``AuraSlotParams``, ``aura_slot_params`` and ``aura_coded``: the partials kernels'
-  ``params`` input (``[live, sinks, ring, recent_lo, recent_hi]``, built by
-  ``attention.decode_attention``) and whether a slot is read from its codes.
+* ``AuraSlotParams``, ``aura_slot_params``, ``aura_ring_index`` and ``aura_coded``: the
+  partials kernels' ``params`` input (``[live, sinks, recent, recent_lo, recent_hi, base,
+  tail]``, built by ``attention.live_params``), a slot's row in the recent ring
+  (``layout.FullPrecisionBudget.ring_index``) and whether a slot is read from its codes.
 
 The two shared-memory helpers contain barriers: every thread of the threadgroup must
 call them.
@@ -16,28 +17,37 @@ call them.
 
 HELPERS = """
 // The partials kernels' `params`: live slots; slots [0, sinks) held in full precision;
-// rows of the recent ring; the smallest and largest slot the ring holds (lo > hi: none).
+// the recent ring's period; the smallest and largest slot the ring holds (lo > hi: none);
+// the first slot with a ring row; the first slot with a row of its own.
 struct AuraSlotParams {
   int live;
   int sinks;
-  int ring;
+  int recent;
   int recent_lo;
   int recent_hi;
+  int base;
+  int tail;
 };
 template <typename In>
 BT_FUNC AuraSlotParams aura_slot_params(In params) {
-  return AuraSlotParams{params[0], params[1], params[2], params[3], params[4]};
+  return AuraSlotParams{params[0], params[1], params[2], params[3], params[4], params[5], params[6]};
+}
+
+// The recent-ring row that slot `key` (base <= key, recent > 0) may be held in.
+BT_FUNC int aura_ring_index(int key, int recent, int base, int tail) {
+  return key < tail ? (key - base) % recent : recent + key - tail;
 }
 
 // Whether slot `key` is read from its codes: below `end`, not a sink, not held in full
-// precision by the recent ring (looked up only within the ring's slot range).
+// precision by the recent ring (looked up only within the ring's slot range, which lies
+// at or past `base`).
 template <typename In>
 BT_FUNC bool aura_coded(AuraSlotParams sp, In recent_slots, int key, int end) {
   if (key >= end || key < sp.sinks) {
     return false;
   }
   if (key >= sp.recent_lo && key <= sp.recent_hi) {
-    return recent_slots[(key - sp.sinks) % sp.ring] != key;
+    return recent_slots[aura_ring_index(key, sp.recent, sp.base, sp.tail)] != key;
   }
   return true;
 }

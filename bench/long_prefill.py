@@ -1,0 +1,176 @@
+"""Prefill time and peak memory against prompt length: butter against mlx-lm, same weights, one run.
+
+A Qwen3-family model with seeded random weights (``--shape``: ``qwen3-1.7b`` for a GPU,
+``small``, SmolLM2-135M's sizes, for the CPU) is written once as a model directory;
+butter loads it with ``Model.load``, mlx-lm builds ``mlx_lm.models.qwen3.Model`` from the
+same ``config.json`` and safetensors. Each (engine, prompt length) runs in a fresh
+process, so that peak memory (``mx.get_peak_memory()``, weights included) is that run's
+alone; the engines alternate, rounds repeat (``--reps``), medians are reported.
+
+A prompt of N random token ids is prefilled and one token sampled, each engine as a user
+runs it: butter through ``Model.generate(..., max_tokens=1)`` (chunks of 512; it
+reserves the cache for prompt + max_tokens at once), mlx-lm through
+``mlx_lm.generate.generate_step`` (chunks of ``prefill_step_size=2048``, its default; its
+``KVCache`` grows in steps of 256 positions by concatenation). Prefill time is the time
+to the first token.
+
+Usage: python3 bench/long_prefill.py [--shape qwen3-1.7b] [--contexts 4096 16384 ...]
+       [--reps 2] [--dtype bfloat16] [--json PATH]    (needs mlx-lm: bench/requirements.txt)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, num_hidden_layers=28, vocab_size=151936),
+    "small": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                  head_dim=64, num_hidden_layers=30, vocab_size=49152),
+}  # fmt: skip
+
+
+def write_model(directory: Path, shape: str, dtype: str, max_positions: int) -> None:
+    """``config.json``, seeded random safetensors and a tiny tokenizer (butter wants one)."""
+    import mlx.core as mx
+
+    from butter_core.testing.tiny_models import write_tokenizer
+
+    sizes = SHAPES[shape]
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000.0, "max_position_embeddings": max_positions, "tie_word_embeddings": True,
+              "hidden_act": "silu", **sizes}  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    h, f, d = sizes["hidden_size"], sizes["intermediate_size"], sizes["head_dim"]
+    q, kv = sizes["num_attention_heads"] * d, sizes["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (sizes["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(sizes["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                   p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}  # fmt: skip
+    key = mx.random.key(0)
+    weights = {}
+    for name, shape_ in shapes.items():
+        key, sub = mx.random.split(key)
+        weights[name] = (mx.ones(shape_) if len(shape_) == 1 else mx.random.normal(shape_, key=sub) * 0.02).astype(getattr(mx, dtype))
+        mx.eval(weights[name])
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    write_tokenizer(directory)
+
+
+def worker(engine: str, context: int, directory: Path) -> dict:
+    """One prefill of ``context`` random ids and one sampled token, in this process. Both
+    engines get butter's BLAS preload (OpenBLAS on a Linux CPU, where installed), which must
+    happen before MLX is imported."""
+    import butter_core  # noqa: F401 - butter_core.cpu_blas, before mlx.core
+    import mlx.core as mx
+
+    ids = mx.random.randint(0, 1000, (context,), key=mx.random.key(context)).tolist()
+    if engine == "butter":
+        from butter_core.config import LoadOptions
+        from butter_core.model import Model
+
+        model = Model.load(str(directory), LoadOptions(max_context_length=context + 8))
+        warm = model.generate(ids[:64], max_tokens=1, stop_ids=())
+        list(warm)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        generation = model.generate(ids, max_tokens=1, stop_ids=())
+        next(iter(generation))
+        seconds = time.perf_counter() - start
+    else:
+        import mlx.nn as nn
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models import qwen3
+
+        config = json.loads((directory / "config.json").read_text())
+        model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+        weights = mx.load(str(directory / "model.safetensors"))
+        dtype = next(iter(weights.values())).dtype
+        model.set_dtype(dtype)
+        model.load_weights(list(weights.items()))
+        mx.eval(model.parameters())
+        nn.Module.eval(model)
+        next(generate_step(mx.array(ids[:64]), model, max_tokens=1))
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        token, _ = next(generate_step(mx.array(ids), model, max_tokens=1))
+        int(token)
+        seconds = time.perf_counter() - start
+    return {"engine": engine, "context": context, "seconds": seconds, "peak_bytes": mx.get_peak_memory(),
+            "device": str(mx.default_device()), "mlx": mx.__version__, "blas": butter_core.cpu_blas.LOADED_BLAS}  # fmt: skip
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        print("@@" + json.dumps(worker(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))), flush=True)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536, 131072])
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--engines", nargs="+", default=["butter", "mlx-lm"])
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds a run may take before it is given up")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        directory = Path(folder) / "model"
+        write_model(directory, args.shape, args.dtype, max(args.contexts) + 16)
+        for context in args.contexts:
+            for rep in range(args.reps):
+                engines = args.engines if rep % 2 == 0 else args.engines[::-1]
+                for engine in engines:
+                    command = [sys.executable, __file__, "--worker", engine, str(context), str(directory)]
+                    try:
+                        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+                    except subprocess.TimeoutExpired:
+                        print(f"{engine} @ {context}: over {args.timeout:.0f} s, given up", flush=True)
+                        continue
+                    line = next((l for l in done.stdout.splitlines() if l.startswith("@@")), None)
+                    if line is None:
+                        print(f"{engine} @ {context}: failed\n{done.stderr[-2000:]}", flush=True)
+                        continue
+                    result = json.loads(line[2:])
+                    results.append(result)
+                    print(f"{engine:>7} @ {context:>6}: {result['seconds']:8.2f} s, "
+                          f"peak {result['peak_bytes'] / 2**30:6.2f} GiB", flush=True)  # fmt: skip
+    if not results:
+        return
+    device, mlx_version = results[0]["device"], results[0]["mlx"]
+    blas = results[0]["blas"] or "MLX's own"
+    print(f"\n{args.shape}, {args.dtype}, {device}, MLX {mlx_version}, BLAS {blas}, {platform.node()}; medians of {args.reps}")
+    print("| prompt | engine | prefill s | prefill tok/s | peak GiB | mlx-lm / butter: time, peak |")
+    print("|---:|---|---:|---:|---:|---|")
+    for context in args.contexts:
+        rows = {}
+        for engine in args.engines:
+            runs = [r for r in results if r["engine"] == engine and r["context"] == context]
+            if runs:
+                rows[engine] = (statistics.median(r["seconds"] for r in runs), max(r["peak_bytes"] for r in runs))
+        for engine, (seconds, peak) in rows.items():
+            ratio = ""
+            if engine != "butter" and "butter" in rows:
+                ratio = f"{seconds / rows['butter'][0]:.2f}x, {peak / rows['butter'][1]:.2f}x"
+            print(f"| {context} | {engine} | {seconds:.2f} | {context / seconds:,.0f} | {peak / 2**30:.2f} | {ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shape": args.shape, "dtype": args.dtype, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
