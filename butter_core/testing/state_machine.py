@@ -1,33 +1,41 @@
-"""Hypothesis drives random appends, trims and state round trips against the reference model."""
+"""Hypothesis drives random appends, trims and state round trips against the reference model,
+as deep as the chosen profile says (``butter_core.testing.profiles``)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-from hypothesis import HealthCheck, settings
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from butter_core.config import Window
 from butter_core.testing.cache_tests import GQA, make_cache
 from butter_core.testing.fixtures import SchemeFixtures
+from butter_core.testing.profiles import suite_settings
 from butter_core.testing.reference import ReferenceCache, random_chunk, relative_error
 
-WINDOWS = [None, Window(max_size=16, keep=2), Window(max_size=9, keep=0)]
+WINDOWS = {
+    "no-window": None,
+    "16-keep-2": Window(max_size=16, keep=2),
+    "9-keep-0": Window(max_size=9, keep=0),
+    "48-keep-4": Window(max_size=48, keep=4),
+}
+"""Each window gets its own run of the machine, so each wraps many times (rings of 14, 9 and
+44 slots; 44 is not a multiple of AURA's 32 recent rows)."""
 
 
-def cache_machine(kind, spec, tolerance, capabilities):
-    """A state machine class checking one scheme configuration."""
-    windows = WINDOWS if capabilities.window else [None]
+def cache_machine(kind, spec, tolerance, capabilities, window: Window | None = None):
+    """A state machine class checking one scheme configuration under ``window`` (or none)."""
 
     class CacheMachine(RuleBasedStateMachine):
-        @initialize(window=st.sampled_from(windows))
-        def create(self, window):
+        @initialize()
+        def create(self):
             self.window = window
             self.cache = make_cache(kind, spec, window)
             self.reference = ReferenceCache(window)
             self.seed = 0
 
-        @precondition(lambda self: self.reference.position < spec.max_positions - 24)
+        @precondition(lambda self: self.window is not None or self.reference.position < spec.max_positions - 24)
         @rule(tokens=st.integers(1, 20))
         def append(self, tokens):
             self.seed += 1
@@ -61,11 +69,9 @@ def cache_machine(kind, spec, tolerance, capabilities):
 class StateMachineTests(SchemeFixtures):
     """Random sequences of appends, evictions, trims and round trips agree with the reference."""
 
-    def test_random_operation_sequences(self, cache_kind, layer_spec, attention_tolerance, capabilities):
-        machine = cache_machine(cache_kind, layer_spec, attention_tolerance, capabilities)
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=15, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)
-            ),
-        )
+    @pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS.keys())
+    def test_random_operation_sequences(self, cache_kind, layer_spec, attention_tolerance, capabilities, window):
+        if window is not None and not capabilities.window:
+            pytest.skip(f"{self.scheme} does not claim window eviction")
+        machine = cache_machine(cache_kind, layer_spec, attention_tolerance, capabilities, window)
+        run_state_machine_as_test(machine, settings=suite_settings())
