@@ -9,10 +9,15 @@ alone; the engines alternate, rounds repeat (``--reps``), medians are reported.
 
 A prompt of N random token ids is prefilled and one token sampled, each engine as a user
 runs it: butter through ``Model.generate(..., max_tokens=1)`` (chunks of 512; it
-reserves the cache for prompt + max_tokens at once), mlx-lm through
-``mlx_lm.generate.generate_step`` (chunks of ``prefill_step_size=2048``, its default; its
-``KVCache`` grows in steps of 256 positions by concatenation). Prefill time is the time
-to the first token.
+reserves the cache for prompt + max_tokens at once), mlx-lm through the prefill of
+``mlx_lm.generate.generate_step`` 0.32.2 (chunks of ``prefill_step_size=2048``, its
+default, each evaluated and followed by ``mx.clear_cache()``, then the last token; its
+``KVCache`` grows in steps of 256 positions by concatenation). That loop is restated
+here (``mlx_lm_prefill``) around mlx-lm's own model and cache classes, because importing
+``mlx_lm.generate`` imports ``transformers`` for its tokenizers, which a GPU machine
+without a registry lacks and a prefill of token ids does not need; on the CPU it gives
+the same first token as ``generate_step`` (checked by ``--check-mlx-lm``). Prefill time
+is the time to the first token.
 
 Usage: python3 bench/long_prefill.py [--shape qwen3-1.7b] [--contexts 4096 16384 ...]
        [--reps 2] [--dtype bfloat16] [--json PATH]    (needs mlx-lm: bench/requirements.txt)
@@ -71,18 +76,21 @@ def write_model(directory: Path, shape: str, dtype: str, max_positions: int) -> 
 
 
 def worker(engine: str, context: int, directory: Path) -> dict:
-    """One prefill of ``context`` random ids and one sampled token, in this process. Both
-    engines get butter's BLAS preload (OpenBLAS on a Linux CPU, where installed), which must
-    happen before MLX is imported."""
-    import butter_core  # noqa: F401 - butter_core.cpu_blas, before mlx.core
+    """One prefill of ``context`` random ids and one sampled token, in this process (both
+    engines with butter's BLAS preload: ``main`` imports butter_core before MLX)."""
     import mlx.core as mx
 
+    import butter_core
+
     ids = mx.random.randint(0, 1000, (context,), key=mx.random.key(context)).tolist()
-    if engine == "butter":
+    if engine.startswith("butter"):
         from butter_core.config import LoadOptions
+        from butter_core.engine import Engine
         from butter_core.model import Model
 
         model = Model.load(str(directory), LoadOptions(max_context_length=context + 8))
+        if "@" in engine:  # butter@N: prefill in chunks of N tokens
+            model.engine = Engine(model.network, model.options, prefill_chunk=int(engine.split("@")[1]))
         warm = model.generate(ids[:64], max_tokens=1, stop_ids=())
         list(warm)
         mx.clear_cache()
@@ -92,30 +100,84 @@ def worker(engine: str, context: int, directory: Path) -> dict:
         next(iter(generation))
         seconds = time.perf_counter() - start
     else:
-        import mlx.nn as nn
-        from mlx_lm.generate import generate_step
-        from mlx_lm.models import qwen3
-
-        config = json.loads((directory / "config.json").read_text())
-        model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-        weights = mx.load(str(directory / "model.safetensors"))
-        dtype = next(iter(weights.values())).dtype
-        model.set_dtype(dtype)
-        model.load_weights(list(weights.items()))
-        mx.eval(model.parameters())
-        nn.Module.eval(model)
-        next(generate_step(mx.array(ids[:64]), model, max_tokens=1))
+        model = mlx_lm_model(directory)
+        mlx_lm_prefill(model, ids[:64])
         mx.clear_cache()
         mx.reset_peak_memory()
         start = time.perf_counter()
-        token, _ = next(generate_step(mx.array(ids), model, max_tokens=1))
-        int(token)
+        mlx_lm_prefill(model, ids)
         seconds = time.perf_counter() - start
     return {"engine": engine, "context": context, "seconds": seconds, "peak_bytes": mx.get_peak_memory(),
             "device": str(mx.default_device()), "mlx": mx.__version__, "blas": butter_core.cpu_blas.LOADED_BLAS}  # fmt: skip
 
 
+def _mlx_lm_models():
+    """``mlx_lm.models`` without running ``mlx_lm/__init__.py`` (which imports transformers)."""
+    import importlib.util
+    import types
+
+    if "mlx_lm" not in sys.modules:
+        package = types.ModuleType("mlx_lm")
+        package.__path__ = list(importlib.util.find_spec("mlx_lm").submodule_search_locations)
+        sys.modules["mlx_lm"] = package
+    from mlx_lm.models import cache, qwen3
+
+    return cache, qwen3
+
+
+def mlx_lm_model(directory: Path):
+    """mlx-lm's Qwen3 model with the directory's weights, in their dtype."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    _, qwen3 = _mlx_lm_models()
+    config = json.loads((directory / "config.json").read_text())
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    weights = mx.load(str(directory / "model.safetensors"))
+    model.set_dtype(next(iter(weights.values())).dtype)
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    nn.Module.eval(model)
+    return model
+
+
+def mlx_lm_prefill(model, ids: list[int], prefill_step_size: int = 2048) -> int:
+    """The prefill of ``mlx_lm.generate.generate_step`` (0.32.2), greedy: the prompt but its last
+    token in chunks, each evaluated and followed by ``mx.clear_cache()``, then the last
+    token's logits and their argmax. Returns the first generated token."""
+    import mlx.core as mx
+
+    cache, _ = _mlx_lm_models()
+    prompt_cache = cache.make_prompt_cache(model)
+    prompt = mx.array(ids)
+    while prompt.size > 1:
+        n = min(prefill_step_size, prompt.size - 1)
+        model(prompt[:n][None], cache=prompt_cache)
+        mx.eval([c.state for c in prompt_cache])
+        prompt = prompt[n:]
+        mx.clear_cache()
+    logits = model(prompt[None], cache=prompt_cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    return int(mx.argmax(logprobs, axis=-1).item())
+
+
+def check_mlx_lm(directory: Path, context: int) -> None:
+    """``mlx_lm_prefill`` against mlx-lm's own ``generate_step`` (needs transformers)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    ids = mx.random.randint(0, 1000, (context,), key=mx.random.key(context)).tolist()
+    model = mlx_lm_model(directory)
+    ours = mlx_lm_prefill(model, ids)
+    theirs, _ = next(generate_step(mx.array(ids), model, max_tokens=1))
+    print(f"first token: restated prefill {ours}, generate_step {int(theirs)}")
+    if ours != int(theirs):
+        raise SystemExit("the restated prefill disagrees with mlx-lm's generate_step")
+
+
 def main() -> None:
+    import butter_core  # noqa: F401 - first: its OpenBLAS preload must precede mlx.core (cpu_blas)
+
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         print("@@" + json.dumps(worker(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))), flush=True)
         return
@@ -124,10 +186,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536, 131072])
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--engines", nargs="+", default=["butter", "mlx-lm"])
+    parser.add_argument("--engines", nargs="+", default=["butter", "mlx-lm"],
+                        help="butter, butter@N (prefill chunks of N tokens) and mlx-lm")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds a run may take before it is given up")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--check-mlx-lm", action="store_true",
+                        help="compare the restated prefill with mlx-lm's generate_step (needs transformers) and stop")
     args = parser.parse_args()
+    if args.check_mlx_lm:
+        with tempfile.TemporaryDirectory() as folder:
+            write_model(Path(folder) / "model", args.shape, args.dtype, max(args.contexts) + 16)
+            for context in args.contexts:
+                check_mlx_lm(Path(folder) / "model", context)
+        return
     results = []
     with tempfile.TemporaryDirectory() as folder:
         directory = Path(folder) / "model"
