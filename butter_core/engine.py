@@ -32,9 +32,9 @@ from butter_core.window import WindowCache
 
 PREFILL_CHUNK = {"cpu": 512, "gpu": 2048}
 """Prompt tokens per forward pass during prefill, by the default device. On the H200 a
-Qwen3-1.7B-shaped model prefills 32k tokens 2.6x faster in chunks of 2048 than of 512 (a
-chunk's fixed cost and small matmuls; peak memory +32%: docs/benchmarks.md); on a small
-CPU a 512-token chunk's attention temporaries are what fits."""
+Qwen3-1.7B-shaped model prefills 32k tokens 2.6x faster in chunks of 2048 than of 512, at
+11-32% more peak memory (docs/benchmarks.md); on a small CPU a 512-token chunk's attention
+temporaries are what fits."""
 
 
 def default_prefill_chunk() -> int:

@@ -10,6 +10,7 @@ A crash kills the worker: the example fails with the signal, and the worker is r
 from __future__ import annotations
 
 import json
+import select
 import shutil
 import struct
 import subprocess
@@ -35,11 +36,14 @@ from butter_core.testing.tiny_models import TinySpec, write_tiny_model
 WORKER = Path(__file__).with_name("load_worker.py")
 LIES = [0, 1, 2, 3, 31, 32, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63, 2**64 - 1]
 """Lengths and counts that sit on the edges of 32- and 64-bit arithmetic."""
+REPLY_SECONDS = 60
+"""How long one file may take to load (a tiny model: well under a second) before it counts as a hang."""
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 class Worker:
-    """``load_worker.py`` in a subprocess; ``load`` returns its reply, or ``crash: <returncode>``."""
+    """``load_worker.py`` in a subprocess; ``load`` returns its reply, ``crash: <returncode>``, or
+    ``hang`` when no reply comes within ``REPLY_SECONDS`` (the worker is then killed)."""
 
     def __init__(self, cache: Path):
         self.env = {"BUTTER_CACHE_DIR": str(cache), "PATH": "/usr/bin:/bin"}
@@ -52,6 +56,11 @@ class Worker:
     def load(self, path: Path) -> str:
         self.process.stdin.write(f"{path}\n")
         self.process.stdin.flush()
+        if not select.select([self.process.stdout], [], [], REPLY_SECONDS)[0]:
+            self.process.kill()
+            self.process.wait()
+            self.process = self._start()
+            return f"hang: no reply within {REPLY_SECONDS} s"
         reply = self.process.stdout.readline().strip()
         if not reply:
             code = self.process.wait(timeout=30)

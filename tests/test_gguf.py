@@ -393,3 +393,12 @@ def test_the_header_check_reads_what_the_writer_wrote(tmp_path):
     assert [(t.name, t.dims[::-1], t.ggml_type) for t in header.tensors] == [
         (name, value.shape, Q8_0 if value.ndim == 2 else F32) for name, value in tensors.items()
     ]
+
+
+def test_a_block_count_the_tensors_do_not_have_is_named(tmp_path):
+    """Not built: a model of 2**32 - 1 layers took minutes and gigabytes before anything was compared."""
+    metadata = llama_metadata()
+    tensors = to_gguf_layout(hf_llama_weights(np.random.default_rng(0), metadata), metadata)
+    path = save_gguf_mlx(tmp_path / "lying.gguf", tensors, {**metadata, "llama.block_count": 2**32 - 1})
+    with pytest.raises(ModelLoadError, match="lying.gguf: llama.block_count is 4294967295, but the file holds blocks 0..1"):
+        convert_gguf(path, tmp_path / "model")

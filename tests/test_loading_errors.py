@@ -85,6 +85,12 @@ def test_a_header_nested_too_deep_for_python(model_dir):
     assert "not valid JSON (maximum recursion depth exceeded" in load_error(model_dir)
 
 
+def test_a_layer_count_the_weights_do_not_hold_is_named_before_building(model_dir):
+    edit_config(model_dir, num_hidden_layers=2**32 - 1)
+    message = load_error(model_dir)
+    assert "config.json: num_hidden_layers is 4294967295, but the weights hold layers 0..1" in message
+
+
 def test_shape_that_disagrees_with_config(model_dir):
     edit_config(model_dir, intermediate_size=96)
     message = load_error(model_dir)

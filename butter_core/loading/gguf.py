@@ -274,6 +274,12 @@ def _hf_config(metadata: Mapping, tensors: Mapping, architecture: _Architecture,
         raise ModelLoadError(f"{source}: partial rotary embeddings (rope.dimension_count < head dim) are not supported")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{source}: no token_embd.weight tensor")
+    blocks = {int(match[1]) for name in tensors if (match := _BLOCK_NAME.match(name))}
+    if required("block_count") != (max(blocks) + 1 if blocks else 0):
+        raise ModelLoadError(
+            f"{source}: {arch}.block_count is {required('block_count')}, but the file holds "
+            + (f"blocks 0..{max(blocks)}" if blocks else "no blocks")
+        )
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{source}: llama3-style RoPE frequency scaling (rope_freqs) is not supported yet")
 

@@ -18,6 +18,7 @@ noise) and takes 3x the memory.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ QUANT_BITS = (2, 3, 4, 5, 6, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 """Tensors some checkpoints carry that the model recomputes."""
 
 
@@ -153,15 +155,30 @@ def _parse_one(spec: dict[str, Any], source: Path, where: str) -> Quantization:
 def load_network(model_dir: Path, options: WeightOptions) -> tuple[DecoderModel, WeightSummary]:
     """The model of ``model_dir`` (``config.json`` + safetensors) with its weights loaded."""
     config, config_path = read_config(model_dir)
+    entries = {name: e for name, e in read_tensor_index(model_dir).items() if not name.endswith(IGNORED_SUFFIXES)}
+    _check_layer_count(config, entries, config_path)
     model = build_model(config, config_path)
-    return model, load_weights(model, model_dir, config, config_path, options)
+    return model, load_weights(model, entries, config, config_path, options)
+
+
+def _check_layer_count(config: dict[str, Any], entries: dict[str, TensorEntry], config_path: Path) -> None:
+    """``num_hidden_layers`` must be the layers the weights hold, checked before the model is
+    built (a layer count of 2**32 - 1 took minutes and gigabytes to build before any
+    tensor was compared with it)."""
+    held = {int(match[1]) for name in entries if (match := _LAYER_NAME.match(name))}
+    layers = config.get("num_hidden_layers")
+    if held and layers != max(held) + 1:
+        raise ModelLoadError(
+            f"{config_path}: num_hidden_layers is {layers!r}, but the weights hold layers 0..{max(held)}"
+        )
 
 
 def load_weights(
-    model: DecoderModel, model_dir: Path, config: dict[str, Any], config_path: Path, options: WeightOptions
+    model: DecoderModel, entries: dict[str, TensorEntry], config: dict[str, Any], config_path: Path,
+    options: WeightOptions,
 ) -> WeightSummary:
-    """Fill ``model``'s parameters from the safetensors in ``model_dir``, validating first."""
-    entries = {name: e for name, e in read_tensor_index(model_dir).items() if not name.endswith(IGNORED_SUFFIXES)}
+    """Fill ``model``'s parameters from the checkpoint tensors ``entries`` (``read_tensor_index``),
+    validating first."""
     if model.args.tie_word_embeddings:
         entries = {name: e for name, e in entries.items() if not name.startswith("lm_head.")}
     quantization = parse_quantization(config, config_path)
