@@ -373,6 +373,7 @@ def test_a_malformed_gguf_is_named_before_mlx_reads_it(tmp_path, content, messag
     assert not (tmp_path / "model").exists()
 
 
+@pytest.mark.usefixtures("raw_scheme")  # the CLI names a missing --kv-cache scheme first
 def test_a_malformed_gguf_exits_2_from_the_cli(tmp_path, cache_dir, capsys):
     path = tmp_path / "k.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2**62) + bytes(32))
