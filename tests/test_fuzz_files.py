@@ -40,6 +40,9 @@ REPLY_SECONDS = 60
 """How long one file may take to load (a tiny model: well under a second) before it counts as a hang."""
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
+pytestmark = pytest.mark.plugin_independent
+
+
 
 class Worker:
     """``load_worker.py`` in a subprocess; ``load`` returns its reply, ``crash: <returncode>``, or

@@ -21,6 +21,9 @@ def test_profile():
     print(f"@@{chosen.max_examples} {chosen.stateful_step_count}")
 """
 
+pytestmark = pytest.mark.plugin_independent
+
+
 
 def chosen_profile(tmp_path, *options, env=None) -> tuple[int, int]:
     (tmp_path / "test_probe.py").write_text(PROBE)
@@ -51,5 +54,5 @@ def test_deep_through_hypothesis_own_option(tmp_path):
 
 def test_an_unknown_profile_is_named(monkeypatch):
     monkeypatch.setenv(PROFILE_ENV, "deeper")
-    with pytest.raises(ConfigError, match="BUTTER_HYPOTHESIS_PROFILE='deeper': valid profiles are ci, deep"):
+    with pytest.raises(ConfigError, match="BUTTER_HYPOTHESIS_PROFILE=.deeper.: valid profiles are quick, ci, deep"):
         suite_settings()
