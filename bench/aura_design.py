@@ -184,7 +184,7 @@ def variant_caches(model: Model, variant: Variant):
 
 def check_against_real_cache(model: Model, ids: list[int]) -> None:
     """The one-pass simulation of the shipped configuration equals the real cache fed one token at a time."""
-    from butter_core import Aura
+    from butter_aura import Aura
     from butter_aura.layout import RECENT, SCALE_GROUP, SINKS
 
     for name in ("aura4v2", "aura8v4"):

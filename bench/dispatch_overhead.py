@@ -26,7 +26,8 @@ import time
 import mlx.core as mx
 import pluggy
 
-from butter_core import LayerSpec, Raw, make_layer_caches
+from butter_core import LayerSpec, make_layer_caches
+from butter_raw import Raw
 from butter_raw.cache import RawCache
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64

@@ -57,9 +57,11 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from butter_core import Affine, LayerSpec, Raw, make_layer_caches
+from butter_core import LayerSpec, make_layer_caches
 from butter_core.kernels import gpu_backend
 from butter_core.slots import unstack
+from butter_affine import Affine
+from butter_raw import Raw
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
 from gpu_timing import CALLS, amortised, copies_for, print_side_by_side, quantized_matmul_attention, side_by_side
 from butter_affine.packing import BUFFERS, STACKS, PackedFormat

@@ -61,7 +61,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "plugins" / "butter-aura")]
 import butter_core  # noqa: E402,F401 - first (loads the CPU BLAS before MLX)
 import mlx.core as mx  # noqa: E402
 
-from butter_core import Aura  # noqa: E402
+from butter_aura import Aura  # noqa: E402
 from butter_core.kernels import KernelCheck, gpu_backend  # noqa: E402
 from butter_aura import reference  # noqa: E402
 from butter_aura.kernels import KERNEL_CHECKS, attention, checks, dequantize, encode  # noqa: E402

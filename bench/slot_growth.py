@@ -20,7 +20,8 @@ import time
 
 import mlx.core as mx
 
-from butter_core import LayerSpec, Raw, make_layer_caches
+from butter_core import LayerSpec, make_layer_caches
+from butter_raw import Raw
 
 HEADS, DIM, CHUNK = 8, 128, 512
 

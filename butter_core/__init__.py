@@ -3,7 +3,7 @@
 from butter_core import cpu_blas  # noqa: F401 - must run before anything imports mlx.core
 
 from butter_core.cache import LayerCache, LayerSpec, SlotCache, reference_attention
-from butter_core.config import Affine, Aura, CacheKind, Eviction, LoadOptions, Raw, Window
+from butter_core.config import CacheKind, Eviction, LoadOptions, Window
 from butter_core.errors import ButterError, ConfigError, ModelLoadError, PluginError, UnknownSchemeError
 from butter_core.hookspecs import hookimpl
 from butter_core.layer_caches import make_layer_caches
@@ -17,8 +17,6 @@ def parse_kv_cache(text: str) -> CacheKind:
 
 
 __all__ = [
-    "Affine",
-    "Aura",
     "ButterError",
     "CacheKind",
     "CacheScheme",
@@ -30,7 +28,6 @@ __all__ = [
     "LoadOptions",
     "ModelLoadError",
     "PluginError",
-    "Raw",
     "SlotCache",
     "UnknownSchemeError",
     "Window",

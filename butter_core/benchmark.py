@@ -32,7 +32,8 @@ import attrs
 import mlx.core as mx
 
 from butter_core import parse_kv_cache
-from butter_core.config import CacheKind, Raw
+from butter_core.cache import LayerSpec
+from butter_core.config import DEFAULT_KV_CACHE, CacheKind
 from butter_core.cpu_blas import LOADED_BLAS
 from butter_core.data import BENCH_TEXT
 from butter_core.engine import Engine
@@ -44,8 +45,8 @@ from butter_core.plugins import get_plugin_host
 from butter_core.progress import Progress
 from butter_core.tokenizer import Tokenizer
 
-BASELINE = Raw()
-"""The scheme every other is compared with: unquantized K/V in the model's dtype."""
+BASELINE = DEFAULT_KV_CACHE
+"""The scheme every other is compared with (its CLI string): raw, unquantized K/V in the model's dtype."""
 
 DEFAULT_CONTEXTS = (512, 1024, 2048)
 DEFAULT_DECODE_TOKENS = 32
@@ -116,9 +117,14 @@ def parse_scheme_list(text: str) -> list[CacheKind]:
 
 def with_baseline(kinds: Sequence[CacheKind]) -> list[CacheKind]:
     """``kinds`` with raw first if it is missing and butter-raw is installed."""
-    if BASELINE in kinds or BASELINE.scheme not in get_plugin_host().schemes:
+    if BASELINE not in get_plugin_host().schemes or baseline() in kinds:
         return list(kinds)
-    return [BASELINE, *kinds]
+    return [baseline(), *kinds]
+
+
+def baseline() -> CacheKind:
+    """The kind of ``BASELINE`` (an ``UnknownSchemeError`` saying what to install where butter-raw is not)."""
+    return parse_kv_cache(BASELINE)
 
 
 def engine_for(model: Model, kind: CacheKind) -> Engine:
@@ -129,8 +135,8 @@ def engine_for(model: Model, kind: CacheKind) -> Engine:
 
 def check_positions(engine: Engine, positions: int, what: str) -> None:
     """Raise ConfigError when ``positions`` do not fit the model's window (``what`` says where they come from)."""
-    window = min(spec.max_positions for spec in engine.layer_specs())
-    if positions > window:
+    window = min((s.max_positions for s in engine.layer_specs() if isinstance(s, LayerSpec)), default=None)
+    if window is not None and positions > window:
         raise ConfigError(f"{what} needs {positions} positions, more than the model's window of {window}")
 
 
@@ -256,7 +262,7 @@ def run_bench(
                 mx.clear_cache()
                 runs[kind].append(generate_once(engine, prompt, decode_tokens))
         row = [summarize(kind, context, kind_runs) for kind, kind_runs in runs.items()]
-        raw = next((r for r in row if r.scheme == str(BASELINE)), None)
+        raw = next((r for r in row if r.scheme == BASELINE), None)
         for result in row:
             ratio = None if raw is None else result.bytes_per_token / raw.bytes_per_token
             results.append(attrs.evolve(result, bytes_ratio_vs_raw=ratio))

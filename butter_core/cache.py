@@ -1,10 +1,12 @@
-"""The layer-cache contract every KV cache scheme honours.
+"""The layer-cache contract every cache scheme honours.
 
-Two levels:
-
-* :class:`LayerCache` is what a model's attention layer talks to: one call per layer
+* :class:`LayerCache` is what every layer's cache has in common, whatever the layer:
+  positions, byte accounting, state export and import, trim, reserve. A model holds one per
+  layer (``make_layer_caches``).
+* :class:`AttentionCache` is what a model's attention layer talks to: one call per layer
   per forward, ``update_and_attend(queries, keys, values, scale=...)``, plus
   ``absolute_position`` for the next token's RoPE. Eviction decorators implement it.
+  (A recurrent layer's cache is a ``butter_core.recurrent.StateCache``.)
 * :class:`SlotCache` is what a scheme author subclasses: storage addressed by slot
   (``store`` rows, ``load`` the live slots, export/import them). The base class turns
   those primitives into the whole ``LayerCache`` API, so a scheme writes storage code
@@ -19,7 +21,7 @@ stored slots does not depend on slot order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Literal
+from typing import ClassVar, Literal
 
 import attrs
 import mlx.core as mx
@@ -33,6 +35,11 @@ Mask = None | Literal["causal"] | mx.array
 broadcastable to ``[batch, n_q_heads, tokens, length]``."""
 
 
+ATTENTION = "attention"
+"""Layer type of every attention layer, full or sliding (a family's sliding layers are
+attention layers under a window): what ``LayerSpec`` sizes."""
+
+
 @attrs.frozen
 class LayerSpec:
     """What a scheme needs to size one attention layer's cache.
@@ -44,6 +51,7 @@ class LayerSpec:
     newest rows in full precision) reads it; others need not.
     """
 
+    layer_type: ClassVar[str] = ATTENTION
     n_kv_heads: int
     head_dim: int
     max_positions: int
@@ -122,14 +130,9 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
 
 
 class LayerCache(ABC):
-    """One attention layer's KV cache as a model sees it."""
+    """One layer's cache as a model sees it, whatever the layer: what every cache has."""
 
     spec: LayerSpec
-
-    @property
-    @abstractmethod
-    def length(self) -> int:
-        """Live positions: how many keys the next attention call reads."""
 
     @property
     @abstractmethod
@@ -138,20 +141,8 @@ class LayerCache(ABC):
 
     @property
     def capacity(self) -> int | None:
-        """The most positions this cache can take from the start (None: no bound, eviction makes room)."""
-        return self.spec.max_positions
-
-    @abstractmethod
-    def update_and_attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float) -> mx.array:
-        """Append ``keys``/``values`` (``tokens`` new positions) and return attention for ``queries``.
-
-        Each query token attends causally: to every live position up to and including
-        its own, exactly as if the tokens had arrived one at a time.
-        """
-
-    @abstractmethod
-    def prepare_for_attention(self) -> tuple[mx.array, mx.array]:
-        """Keys and values of the live positions, materialised as floats (the storage's float dtype)."""
+        """The most positions this cache can take from the start (None: no bound)."""
+        return None
 
     @property
     @abstractmethod
@@ -177,23 +168,72 @@ class LayerCache(ABC):
 
     @abstractmethod
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` positions; returns how many were dropped."""
-
-    @abstractmethod
-    def append(self, keys: mx.array, values: mx.array) -> None:
-        """Append ``tokens`` positions without attending (prefix filling, tests)."""
+        """Drop the last ``n`` positions; returns how many were dropped (0 where they cannot be:
+        a recurrent state, a window that has wrapped; restore a saved ``state()`` instead)."""
 
     def reserve(self, positions: int) -> None:
         """Allocate room for ``positions`` positions in all (at most ``capacity``) now, so that
         appends up to there never grow the storage piece by piece. A hint: a cache without
         growable storage ignores it, and one that holds more keeps what it has."""
 
+    def snapshot(self) -> Snapshot:
+        """The contents now, to come back to with ``rewind``: multi-turn edits, prefix reuse,
+        speculative rollback. MLX arrays are values, so a snapshot holds the arrays of this
+        moment (a recurrent state costs nothing more; an attention cache's views of its live
+        slots keep its buffers from being updated in place, so its next write copies them)."""
+        return Snapshot(self.state(), self.meta_state(), self.absolute_position)
 
-class SlotCache(LayerCache):
+    def rewind(self, snapshot: Snapshot) -> None:
+        """Return to ``snapshot``, taken of this cache or of one of equal spec and scheme."""
+        self.restore(snapshot.arrays, snapshot.meta)
+
+
+@attrs.frozen
+class Snapshot:
+    """A cache's contents at one position (``LayerCache.snapshot``)."""
+
+    arrays: dict[str, mx.array]
+    meta: dict[str, int | str]
+    position: int
+    """Where the cache continues after ``rewind``."""
+
+
+class AttentionCache(LayerCache):
+    """One attention layer's KV cache as a model sees it."""
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Live positions: how many keys the next attention call reads."""
+
+    @property
+    def capacity(self) -> int | None:
+        """The most positions this cache can take from the start (None: no bound, eviction makes room)."""
+        return self.spec.max_positions
+
+    @abstractmethod
+    def update_and_attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float) -> mx.array:
+        """Append ``keys``/``values`` (``tokens`` new positions) and return attention for ``queries``.
+
+        Each query token attends causally: to every live position up to and including
+        its own, exactly as if the tokens had arrived one at a time.
+        """
+
+    @abstractmethod
+    def prepare_for_attention(self) -> tuple[mx.array, mx.array]:
+        """Keys and values of the live positions, materialised as floats (the storage's float dtype)."""
+
+    @abstractmethod
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Append ``tokens`` positions without attending (prefix filling, tests)."""
+
+
+class SlotCache(AttentionCache):
     """Base for a scheme's storage: rows addressed by slot, live slots ``[0, length)``.
 
     A subclass implements ``store``, ``load``, ``export_slots``, ``import_slots`` and
-    ``buffers``; it may override ``attention`` (a fused decode kernel) and
+    ``buffers``; it may override ``attention`` (a fused decode kernel),
+    ``store_and_attend`` (the write and the attention of one forward in one place) and
     ``truncate``. With no eviction, slot ``i`` holds position ``i``.
     """
 
@@ -239,6 +279,21 @@ class SlotCache(LayerCache):
         keys, values = self.load(self._length)
         return attend(queries, keys, values, scale=scale, mask=mask)
 
+    def store_and_attend(
+        self, start: int, keys: mx.array, values: mx.array, position: int, queries: mx.array, *, scale: float, mask: Mask
+    ) -> mx.array:
+        """Write rows of positions ``[position, position + tokens)`` at slots ``[start, start + tokens)``
+        (``write``) and return attention of ``queries`` over the live slots after the write, under
+        ``mask``: the one call a forward makes into a scheme per layer (``update_and_attend``, and
+        the window decorator while its slots hold its positions in order or it takes one token).
+
+        The default writes, then calls ``attention``. A scheme overrides it to do both in one place:
+        attend to a chunk from the rows as they arrived rather than decoding what it just encoded
+        (butter-aura), or fuse the write into its attention kernel.
+        """
+        self.write(start, keys, values, position)
+        return self.attention(queries, scale=scale, mask=mask)
+
     # -- the LayerCache API, built on the primitives ----------------------------
 
     @property
@@ -269,8 +324,8 @@ class SlotCache(LayerCache):
 
     def update_and_attend(self, queries, keys, values, *, scale):
         check_chunk(self.spec, keys, values, queries)
-        self.write(self._length, keys, values)
-        return self.attention(queries, scale=scale, mask="causal" if queries.shape[2] > 1 else None)
+        mask = "causal" if queries.shape[2] > 1 else None
+        return self.store_and_attend(self._length, keys, values, self._length, queries, scale=scale, mask=mask)
 
     def prepare_for_attention(self):
         return self.load(self._length)

@@ -10,7 +10,6 @@ class attribute naming the scheme that creates it) and registers it through the
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 import attrs
@@ -58,78 +57,6 @@ class CacheKind:
         return self.scheme
 
 
-MODEL_DTYPE = None
-CACHE_DTYPES = (MODEL_DTYPE, "float16", "bfloat16", "float32")
-
-
-@attrs.frozen
-class Raw(CacheKind):
-    """Unquantized K/V in the model's dtype (``dtype=None``) or an explicit float dtype."""
-
-    scheme: ClassVar[str] = "raw"
-    dtype: str | None = attrs.field(default=MODEL_DTYPE, validator=one_of("dtype", CACHE_DTYPES))
-
-    def __str__(self) -> str:
-        return "raw" if self.dtype is None else f"raw-{self.dtype}"
-
-
-AFFINE_BITS = (4, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-
-
-def _default_group(bits: int) -> int:
-    # The seed's choice: 4-bit K/V loses too much with groups of 64; 8-bit is fine there.
-    return 64 if bits == 8 else 32
-
-
-@attrs.frozen
-class Affine(CacheKind):
-    """Affine (scale + bias per group) quantized K/V: affine8, affine6, affine4, affine{bits}g{group}."""
-
-    scheme: ClassVar[str] = "affine"
-    bits: int = attrs.field(default=8, validator=one_of("bits", AFFINE_BITS))
-    group_size: int = attrs.field(validator=one_of("group_size", GROUP_SIZES))
-
-    @group_size.default
-    def _group_default(self) -> int:
-        return _default_group(self.bits)
-
-    def check_layer(self, head_dim: int) -> None:
-        if head_dim % self.group_size:
-            raise ConfigError(
-                f"{self}: group_size {self.group_size} does not divide head_dim {head_dim}; "
-                f"use a group size among {[g for g in GROUP_SIZES if head_dim % g == 0]}"
-            )
-
-    def __str__(self) -> str:
-        default = self.group_size == _default_group(self.bits)
-        return f"affine{self.bits}" if default else f"affine{self.bits}g{self.group_size}"
-
-
-AURA_BITS = (2, 3, 4, 8)
-_AURA_NAME = re.compile(r"aura(\d+)v(\d+)")
-
-
-@attrs.frozen
-class Aura(CacheKind):
-    """AURA rotated-codebook K/V with independent key and value bit widths (aura4v2, aura8v4, ...)."""
-
-    scheme: ClassVar[str] = "aura"
-    key_bits: int = attrs.field(default=4, validator=one_of("key_bits", AURA_BITS))
-    value_bits: int = attrs.field(default=2, validator=one_of("value_bits", AURA_BITS))
-
-    @classmethod
-    def named(cls, name: str) -> Aura:
-        """The kind for a scheme name such as ``aura4v2``."""
-        match = _AURA_NAME.fullmatch(name)
-        if not match:
-            raise ConfigError(f"AURA scheme names look like aura{{kbits}}v{{vbits}} (e.g. aura4v2); got {name!r}")
-        return cls(int(match[1]), int(match[2]))
-
-    def __str__(self) -> str:
-        return f"aura{self.key_bits}v{self.value_bits}"
-
-
 @attrs.frozen
 class Eviction:
     """Base of every eviction configuration; a policy plugin subclasses it (core's is ``Window``)."""
@@ -161,21 +88,45 @@ class Window(Eviction):
         return f"window(max_size={self.max_size}, keep={self.keep})"
 
 
+DEFAULT_KV_CACHE = "raw"
+"""The scheme attention layers get when ``LoadOptions.kv_cache`` is None (butter-raw)."""
+DEFAULT_STATE_CACHE = "ssm"
+"""The scheme recurrent layers get when ``LoadOptions.state_cache`` is None (butter-ssm)."""
+
+
+def parsed_kind(value):
+    """An attrs converter: a scheme's CLI string (``"affine8"``) parsed by the installed plugins;
+    a kind or None as it is."""
+    if isinstance(value, str):
+        from butter_core.plugins import get_plugin_host  # plugins imports this module
+
+        return get_plugin_host().parse_kv_cache(value)
+    return value
+
+
+def _check_kind(instance, attribute, value):
+    if value is not None and not isinstance(value, CacheKind):
+        raise ConfigError(
+            f"LoadOptions.{attribute.name} must be None (the default scheme), a scheme's CLI string such as "
+            f"'affine8', or a CacheKind (a plugin's kind, e.g. butter_affine.Affine(bits=8)); got {value!r}"
+        )
+
+
 @attrs.frozen
 class LoadOptions:
-    """What ``Model.load`` needs beyond the model: cache scheme, eviction, context cap."""
+    """What ``Model.load`` needs beyond the model: cache schemes, eviction, context cap.
 
-    kv_cache: CacheKind = attrs.field(factory=Raw)
+    ``kv_cache`` is the scheme of attention layers (None: ``DEFAULT_KV_CACHE``) and
+    ``kv_eviction`` bounds them; ``state_cache`` is the scheme of recurrent layers (Mamba2,
+    gated delta; None: ``DEFAULT_STATE_CACHE``), which eviction never touches. Either
+    scheme may be given as its CLI string; it is parsed here, so an unknown or invalid one
+    fails where it is written.
+    """
+
+    kv_cache: CacheKind | None = attrs.field(default=None, converter=parsed_kind, validator=_check_kind)
     kv_eviction: Eviction | None = attrs.field(default=None)
     max_context_length: int | None = attrs.field(default=None, validator=positive("max_context_length"))
-
-    @kv_cache.validator
-    def _check_kind(self, attribute, value):
-        if not isinstance(value, CacheKind):
-            raise ConfigError(
-                f"LoadOptions.kv_cache must be a CacheKind (Raw(), Affine(bits=8), Aura.named('aura4v2'), "
-                f"or a plugin's kind), got {value!r}; to parse a CLI string use butter_core.parse_kv_cache"
-            )
+    state_cache: CacheKind | None = attrs.field(default=None, converter=parsed_kind, validator=_check_kind)
 
     @kv_eviction.validator
     def _check_eviction(self, attribute, value):

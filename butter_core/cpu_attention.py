@@ -2,16 +2,15 @@
 
 MLX's ``mx.fast.scaled_dot_product_attention`` has no fused CPU kernel: on the CPU it
 computes ``softmax(q kᵀ) v`` with plain ops (its result equals that of matmul, softmax,
-matmul exactly), and on a 2-core x86 machine it pays for that form twice over
-(``bench/cpu_decode_paths.py --kv-cache raw``: 30 layers shaped like the default model's,
-9 query / 3 KV heads, head_dim 64, MLX 0.32.4, 2-core x86, 2026-12-01: MLX's SDPA takes
-7.1-7.4 ms per token at 1k and 35.0-36.6 at 4k, where this module takes 6.5 and 20.0):
+matmul exactly), and on a 2-core x86 machine it pays for that form twice over, so this
+module takes its place there (measurements: docs/benchmarks.md,
+"butter_core/cpu_attention.py"):
 
 * the query heads of one KV head are the columns of one product, keys as rows
-  (``keys @ qᵀ``): BLAS's small-row products took twice as long the other way round;
+  (``keys @ qᵀ``): BLAS's small-row products are slower the other way round;
 * from ``POWER_MIN_KEYS`` keys the softmax exponentiates in base 2 with ``log2 e`` folded
-  into the query scale: MLX's CPU ``mx.exp`` costs ~12 ns per element there,
-  ``mx.power(2, x)`` ~4.4.
+  into the query scale: MLX's CPU ``mx.power(2, x)`` costs far less per element than
+  ``mx.exp``.
 
 Schemes that compute their own scores (from codes) take their softmax from
 ``softmax_for`` for the same saving.
@@ -29,17 +28,15 @@ LOG2E = math.log2(math.e)
 
 POWER_MIN_KEYS = 512
 """From this many keys ``softmax_for`` takes ``softmax_log2``; below it, where MLX's per-op
-cost outweighs its per-element cost, ``mx.softmax`` (one op, not six). This module's
-attention with one softmax or the other, per token for 30 default-model layers (scratch
-script, 2026-12-01; ms): at 16 / 64 keys 1.12-1.13 / 1.17-1.22 with the power form
-against 0.56-0.58 / 0.76-0.79 with ``mx.softmax`` (MLX's SDPA 0.61-0.63 / 0.82-0.88), at
-256 2.10-2.36 against 1.93-2.31, at 512 3.77-3.85 against 3.86-4.05, at 1024 6.22-6.46
-against 7.17-7.26."""
+cost outweighs its per-element cost, ``mx.softmax`` (one op, not six). 512 is where the
+power form stops costing more than ``mx.softmax`` in this module's attention (measurements:
+docs/benchmarks.md, "butter_core/cpu_attention.py")."""
 
 LOWEST_EXPONENT = -126.0
 """Shifted scores are clamped here, ``2 ** -126`` being float32's smallest normal number:
-below it MLX's CPU ``power`` takes a slow path (15-17 ns per element). A clamped weight
-grows by at most 1.2e-38, which no float32 sum of weights (at least 1) can show."""
+below it MLX's CPU ``power`` takes a slow path, slower per element than ``mx.exp``
+(docs/benchmarks.md, "butter_core/cpu_attention.py"). A clamped weight grows by at most
+1.2e-38, which no float32 sum of weights (at least 1) can show."""
 
 
 def softmax_log2(scores: mx.array) -> mx.array:

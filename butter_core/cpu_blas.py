@@ -4,8 +4,8 @@ The mlx-cpu wheel links a bundled reference BLAS (``mlx_cpu.libs/libblas-*.so``)
 installing a system BLAS changes nothing by itself. But MLX's ``cblas_*`` calls resolve
 through the process's global symbol namespace first: a library loaded there with
 ``RTLD_GLOBAL`` before ``mlx.core`` is imported wins. With Debian's OpenBLAS
-(``apt-get install libopenblas0-pthread``) float32 matmul on 2 cores goes from ~6 to
-~100-190 GFLOP/s; bf16/fp16 and quantized matmuls do not use BLAS and do not change.
+(``apt-get install libopenblas0-pthread``) float32 matmul runs many times faster;
+bf16/fp16 and quantized matmuls do not use BLAS and do not change.
 
 Importing this module does it, so it must be imported before anything imports
 ``mlx.core``. ``BUTTER_BLAS`` chooses: unset or ``openblas`` (the default: OpenBLAS if
@@ -14,10 +14,8 @@ installed), ``reference`` (keep the bundled one), or a library file name or path
 Before loading it, ``OPENBLAS_THREAD_TIMEOUT`` defaults to 4 (unless set): OpenBLAS's
 idle worker threads then sleep after 2^4 cycles instead of spinning on ``sched_yield``
 for up to 2^28, which on 2 cores took the core MLX's own threads (the stream thread
-running non-BLAS ops, Python building the next step). ``butter bench --kv-cache
-raw,affine8,affine4 --context 1024,4096 --decode-tokens 32 --repeats 2`` (2-core x86 VM,
-2026-12-01): decode tok/s +3-12% (raw 16.63 / 12.99 against 15.76-16.08 / 11.13-11.56
-at 1k / 4k), the run's system time 13 s against 186-216 s.
+running non-BLAS ops, Python building the next step). Measurements of both:
+docs/benchmarks.md, "butter_core/cpu_blas.py".
 """
 
 from __future__ import annotations

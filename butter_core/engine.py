@@ -4,7 +4,7 @@ and ``forward_sample`` (``Model.load`` is in ``butter_core.model``).
 The user owns the caches: make them once, keep them across calls for multi-turn or
 streaming use, and every call continues at ``caches[i].absolute_position``::
 
-    model = Model.load(None, options=LoadOptions(kv_cache=Raw()))
+    model = Model.load(None, options=LoadOptions(kv_cache="raw"))
     caches = model.engine.make_layer_caches()
     next_id = model.engine.forward_sample(token_id, position, caches)
 
@@ -25,8 +25,9 @@ from butter_core.cache import LayerCache, LayerSpec
 from butter_core.config import LoadOptions, Window
 from butter_core.errors import ButterError, ConfigError
 from butter_core.kernels.backend import default_device_is_gpu
-from butter_core.layer_caches import make_layer_caches
+from butter_core.layer_caches import layer_kinds, make_layer_caches
 from butter_core.models import DecoderModel
+from butter_core.recurrent import StateSpec
 from butter_core.sampling import GREEDY, Sampler
 from butter_core.window import WindowCache
 
@@ -76,27 +77,19 @@ class Engine:
         self.options = options
         self.prefill_chunk = prefill_chunk
 
-    def layer_specs(self) -> list[LayerSpec]:
-        """What each attention layer's cache must hold; capacity is ``max_context_length`` or the advertised window."""
+    def layer_specs(self) -> list[LayerSpec | StateSpec]:
+        """What each layer's cache must hold: an attention layer's capacity is ``max_context_length``
+        or the advertised window; a recurrent layer's state is sized by the layer alone."""
         args = self.network.args
-        max_positions = self.options.max_context_length or args.max_position_embeddings
-        return [
-            LayerSpec(
-                n_kv_heads=args.num_key_value_heads,
-                head_dim=args.head_dim,
-                max_positions=max_positions,
-                dtype=self.network.dtype,
-                layer_index=index,
-            )
-            for index in range(args.num_hidden_layers)
-        ]
+        return self.network.layer_specs(self.options.max_context_length or args.max_position_embeddings)
 
     def make_layer_caches(self) -> list[LayerCache]:
-        """One cache per layer of the configured scheme, under the configured eviction; the family's
-        sliding-window layers are bounded by its window."""
-        windows = self.network.args.layer_windows()
+        """One cache per layer, of the scheme configured for its type (``kv_cache`` for attention,
+        ``state_cache`` for recurrent layers); attention layers under the configured eviction,
+        the family's sliding-window layers bounded by its window."""
+        windows = self.network.layer_windows()
         return make_layer_caches(
-            self.options.kv_cache,
+            layer_kinds(self.options),
             self.layer_specs(),
             self.options.kv_eviction,
             layer_windows=windows if any(windows) else None,

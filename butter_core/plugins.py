@@ -32,7 +32,7 @@ import attrs
 import pluggy
 
 from butter_core import hookspecs, window
-from butter_core.cache import LayerCache
+from butter_core.cache import LayerCache, LayerSpec
 from butter_core.config import CacheKind, Eviction
 from butter_core.errors import AmbiguousSchemeError, ButterError, ConfigError, PluginError, UnknownSchemeError
 from butter_core.registry import CacheScheme, EvictionPolicy
@@ -228,6 +228,9 @@ class PluginHost:
                 f"scheme {scheme.name!r}: its kind_type {scheme.kind_type.__name__} names the scheme "
                 f"{scheme.kind_type.scheme!r} (CacheKind.scheme must be the registered name)"
             )
+        if not scheme.layer_types or not all(isinstance(t, str) and t for t in scheme.layer_types):
+            raise ValueError(f"scheme {scheme.name!r}: layer_types must name the layer types it stores, got "
+                             f"{scheme.layer_types!r}")
         if not scheme.examples:
             raise ValueError(f"scheme {scheme.name!r}: examples must name at least one CLI string")
         for example in scheme.examples:
@@ -314,7 +317,8 @@ class PluginHost:
         name = registered.scheme.name
         with self._plugin_code(registered.plugin, f"scheme {name!r}"):
             for spec in specs:
-                kind.check_layer(spec.head_dim)
+                if isinstance(spec, LayerSpec):
+                    kind.check_layer(spec.head_dim)
             caches = registered.scheme.create(kind, specs)
         return self._checked_caches(caches, len(specs), f"scheme {name!r} of {registered.plugin}")
 

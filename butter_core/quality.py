@@ -29,7 +29,7 @@ from typing import TextIO
 import attrs
 import mlx.core as mx
 
-from butter_core.benchmark import BASELINE, check_positions, engine_for
+from butter_core.benchmark import baseline, check_positions, engine_for
 from butter_core.cache import LayerCache
 from butter_core.config import CacheKind
 from butter_core.engine import Engine
@@ -260,7 +260,7 @@ def run_quality(
     progress_stream: TextIO | None = None,
 ) -> list[QualityResult]:
     """Score each of ``kinds`` on each text against raw; a progress bar goes to ``progress_stream``."""
-    baseline = engine_for(model, BASELINE)
+    baseline_engine = engine_for(model, baseline())
     engines = {kind: engine_for(model, kind) for kind in kinds}
     vocabulary = regular_token_ids(model.tokenizer)
     plans = []
@@ -270,7 +270,7 @@ def run_quality(
     progress = Progress(sum(len(bounds) * (1 + len(kinds)) for _, bounds, _ in plans), "quality", progress_stream)
     results = []
     for text, bounds, probe in plans:
-        scores = teacher_forced_scores(baseline, engines, text.ids, bounds, progress, text.name)
+        scores = teacher_forced_scores(baseline_engine, engines, text.ids, bounds, progress, text.name)
         for kind, engine in engines.items():
             copy = copy_accuracy(engine, probe, bounds, progress, f"{text.name} {kind}")
             results.append(

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from butter_core.cache import LayerCache, LayerSpec
+from butter_core.cache import ATTENTION, LayerCache, LayerSpec
 from butter_core.config import CacheKind
 
 
@@ -19,6 +19,8 @@ class CacheScheme:
     ``create`` builds one cache per layer spec, and may share buffers among the layers
     of one call. ``kernel_checks`` lists the scheme's GPU kernels with their references
     (``butter_core.kernels.checks.KernelCheck``) for the conformance suite.
+    ``layer_types`` are the layers it stores: ``ATTENTION`` (keys and values, the default) or
+    recurrent types (``butter_core.recurrent.MAMBA2``, ``GATED_DELTA``, or a third party's).
     ``model_tolerance`` is the relative error of a tiny model's logits against a full
     recompute that the scheme's first example promises (None: exact schemes, or not
     declared — the model matrix then reports the comparison as skipped).
@@ -32,6 +34,7 @@ class CacheScheme:
     description: str = ""
     kernel_checks: Callable[[], Sequence] = attrs.field(default=lambda: ())
     model_tolerance: float | None = None
+    layer_types: tuple[str, ...] = (ATTENTION,)
 
 
 @attrs.frozen

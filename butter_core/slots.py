@@ -43,11 +43,10 @@ class SlotBuffers:
 
     ``stacks`` keeps some buffers in one array each (``Stacks``). Every slice assignment
     is a graph node and a kernel launch per token and layer, so a decode step that writes
-    six buffers pays for six where a stacked layout pays for two (``bench/slot_writes.py``,
-    28 layers, H200, MLX 0.32.4: host build plus evaluation 0.88-1.08 ms per step against
-    0.31-0.34; 2-core CPU: 1.17-1.21 against 0.46). A stacked
-    buffer is a view of its stack: take views afresh after each write (``arrays``,
-    ``read``), since a view kept alive keeps the stack from being updated in place.
+    six buffers pays for six where a stacked layout pays for two (measurements:
+    docs/benchmarks.md, "butter_core/slots.py"). A stacked buffer is a view of its stack:
+    take views afresh after each write (``arrays``, ``read``), since a view kept alive
+    keeps the stack from being updated in place.
     """
 
     def __init__(self, spec: LayerSpec, capacity: int, layout: Layout, step: int = GROWTH_STEP,
@@ -161,8 +160,8 @@ def unstack(arrays: dict[str, mx.array], stacks: Stacks, length: int | None = No
 
     A stack's members come from one ``mx.split`` (``stack[i]`` would gather a copy), then
     a squeeze each. A decode step takes these views once per layer, so their host cost
-    counts: six members took 12.2 µs by per-member slicing and take 5.3 µs this way (2-core
-    CPU, MLX 0.32.4)."""
+    counts: this way takes less than half the time of per-member slicing (measurements:
+    docs/benchmarks.md, "butter_core/slots.py")."""
     out = {}
     for key, array in arrays.items():
         if length is not None:

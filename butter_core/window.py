@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.cache import LayerCache, SlotCache, attend, check_chunk
+from butter_core.cache import AttentionCache, SlotCache, attend, check_chunk
 from butter_core.config import Window
 from butter_core.errors import ConfigError
 from butter_core.hookspecs import hookimpl
 from butter_core.registry import EvictionPolicy
 
 
-class WindowCache(LayerCache):
-    """A ``LayerCache`` that keeps sinks plus the most recent positions of an inner ``SlotCache``."""
+class WindowCache(AttentionCache):
+    """An ``AttentionCache`` that keeps sinks plus the most recent positions of an inner ``SlotCache``."""
 
     def __init__(self, inner: SlotCache, window: Window):
         if inner.capacity != window.max_size:
@@ -70,7 +70,7 @@ class WindowCache(LayerCache):
             self.inner.write(slot, keys[:, :, rows], values[:, :, rows], self._position + offset)
         self._position += keys.shape[2]
 
-    # -- LayerCache -------------------------------------------------------------
+    # -- AttentionCache ----------------------------------------------------------
 
     @property
     def length(self) -> int:
@@ -92,10 +92,11 @@ class WindowCache(LayerCache):
         check_chunk(self.spec, keys, values, queries)
         tokens, first = keys.shape[2], self._position
         if first + tokens <= self.window.max_size or tokens == 1:
-            # Slots still equal positions, or one token replacing the oldest ring slot:
-            # the stored window is exactly what the queries may see.
-            self._commit(keys, values)
-            return self.inner.attention(queries, scale=scale, mask="causal" if tokens > 1 else None)
+            # Slots still equal positions, or one token replacing the oldest ring slot: one
+            # run of slots, and the stored window is exactly what the queries may see.
+            self._position += tokens
+            mask = "causal" if tokens > 1 else None
+            return self.inner.store_and_attend(self.slot_of(first), keys, values, first, queries, scale=scale, mask=mask)
         stored_k, stored_v = self.inner.load(self.inner.length)
         key_pos = mx.concatenate([self.slot_positions(), first + mx.arange(tokens)])
         query_pos = (first + mx.arange(tokens))[:, None]

@@ -123,7 +123,7 @@ def test_inspect_lists_every_layer_cache(capsys, model_path):
     assert code == 0
     assert "family qwen3: 2 layers" in out and "weights: dense float32 weights" in out
     rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0] in ("0", "1")]
-    assert [row[:2] for row in rows] == [["0", "raw"], ["1", "raw"]]
+    assert [row[:3] for row in rows] == [["0", "attention", "raw"], ["1", "attention", "raw"]]
     assert all("[1, 2, 64, 32]" in " ".join(row) and "float32" in row for row in rows)
     assert "total: 0 B allocated, 0 B live" in out
 

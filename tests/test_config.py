@@ -4,22 +4,18 @@ import pytest
 
 import mlx.core as mx
 
-from butter_core import Affine, Aura, ConfigError, LayerSpec, LoadOptions, Raw, Window, make_layer_caches, parse_kv_cache
+from butter_core import ConfigError, LayerSpec, LoadOptions, Window, make_layer_caches, parse_kv_cache
 
 
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: Affine(bits=5), "bits must be one of 4, 6, 8"),
-        (lambda: Affine(bits=4, group_size=48), "group_size must be one of 32, 64, 128"),
-        (lambda: Aura(key_bits=5), "key_bits must be one of 2, 3, 4, 8"),
-        (lambda: Aura.named("aurora"), "aura{kbits}v{vbits}"),
-        (lambda: Raw(dtype="int8"), "dtype must be one of"),
         (lambda: Window(max_size=0), "max_size must be a positive integer"),
         (lambda: Window(max_size=8, keep=8), "keep \\(8\\) must be smaller than Window.max_size \\(8\\)"),
         (lambda: Window(max_size=8, keep=-1), "non-negative"),
         (lambda: LoadOptions(max_context_length=0), "max_context_length must be a positive integer"),
-        (lambda: LoadOptions(kv_cache="affine4"), "parse_kv_cache"),
+        (lambda: LoadOptions(kv_cache=4), "kv_cache must be None .*a scheme's CLI string"),
+        (lambda: LoadOptions(state_cache=b"ssm"), "state_cache must be None"),
         (lambda: LoadOptions(kv_eviction=(8, 2)), "Window\\(max_size, keep\\)"),
     ],
 )
@@ -28,18 +24,15 @@ def test_invalid_configuration_is_rejected(build, message):
         build()
 
 
-def test_group_size_must_divide_head_dim():
-    Affine(bits=4, group_size=64).check_layer(128)
-    with pytest.raises(ConfigError, match="does not divide head_dim 96.*32"):
-        Affine(bits=4, group_size=64).check_layer(96)
-
-
 def test_defaults_follow_the_seed():
-    assert Affine(bits=8).group_size == 64 and str(Affine(bits=8)) == "affine8"
-    assert Affine(bits=4).group_size == 32 and str(Affine(bits=4, group_size=64)) == "affine4g64"
-    assert Aura.named("aura4v2") == Aura(4, 2) and str(Aura(8, 4)) == "aura8v4"
-    assert LoadOptions().kv_cache == Raw() and LoadOptions().kv_eviction is None
+    assert LoadOptions().kv_cache is None and LoadOptions().state_cache is None  # raw and ssm, when made
+    assert LoadOptions().kv_eviction is None
     assert Window(2048).keep == 4 and Window(2048).ring_size == 2044
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_scheme_may_be_given_as_its_cli_string():
+    assert LoadOptions(kv_cache="raw-float32").kv_cache == parse_kv_cache("raw-float32")
 
 
 @pytest.mark.parametrize(
@@ -47,15 +40,20 @@ def test_defaults_follow_the_seed():
     [
         (lambda: parse_kv_cache(None), "named by a string such as 'raw'.*got None"),
         (lambda: make_layer_caches("raw", [LayerSpec(2, 64, 16)]), r"kind must be a CacheKind.*parse_kv_cache\('raw'\)"),
-        (lambda: make_layer_caches(Raw(), LayerSpec(2, 64, 16)), "specs must be a list of LayerSpec"),
-        (lambda: make_layer_caches(Raw(), [(2, 64, 16)]), "specs must be a list of LayerSpec"),
-        (lambda: make_layer_caches(Raw(), [LayerSpec(2, 64, 16)], "window"), "eviction must be None, Window"),
-        (lambda: make_layer_caches(Raw(), [LayerSpec(2, 64, 16)], layer_windows=[]), "0 layer_windows for 1 specs"),
+        (lambda: make_layer_caches(_raw(), LayerSpec(2, 64, 16)), "specs must be a list of LayerSpec"),
+        (lambda: make_layer_caches(_raw(), [(2, 64, 16)]), "specs must be a list of LayerSpec"),
+        (lambda: make_layer_caches(_raw(), [LayerSpec(2, 64, 16)], "window"), "eviction must be None, Window"),
+        (lambda: make_layer_caches(_raw(), [LayerSpec(2, 64, 16)], layer_windows=[]), "0 layer_windows for 1 specs"),
     ],
 )
+@pytest.mark.usefixtures("raw_scheme")
 def test_api_misuse_is_a_config_error_saying_what_was_expected(call, message):
     with pytest.raises(ConfigError, match=message):
         call()
+
+
+def _raw():
+    return parse_kv_cache("raw")
 
 
 @pytest.mark.usefixtures("raw_scheme")
@@ -71,7 +69,7 @@ def test_api_misuse_is_a_config_error_saying_what_was_expected(call, message):
     ],
 )
 def test_a_chunk_of_the_wrong_shape_is_a_config_error(window, queries, keys, message):
-    cache = make_layer_caches(Raw(), [LayerSpec(2, 64, 16)], window)[0]
+    cache = make_layer_caches(_raw(), [LayerSpec(2, 64, 16)], window)[0]
     with pytest.raises(ConfigError, match=message):
         cache.update_and_attend(mx.zeros(queries), mx.zeros(keys), mx.zeros(keys), scale=1.0)
     with pytest.raises(ConfigError, match="(keys|values) of shape"):

@@ -1,16 +1,17 @@
-"""Meta-test: every installed scheme is checked by a SchemeConformance subclass in this run."""
+"""Meta-test: every installed scheme is checked by a SchemeConformance (or, for a recurrent-layer
+scheme, RecurrentConformance) subclass in this run."""
 
 import pytest
 
 from butter_core.plugins import PluginHost
-from butter_core.testing import SchemeConformance
+from butter_core.testing import RecurrentConformance, SchemeConformance
 
 
 def test_every_installed_scheme_has_a_conformance_subclass(request):
     covered = {
         item.cls.scheme
         for item in request.session.items
-        if item.cls is not None and issubclass(item.cls, SchemeConformance)
+        if item.cls is not None and issubclass(item.cls, SchemeConformance | RecurrentConformance)
     }
     host = PluginHost()
     missing = {
@@ -18,7 +19,8 @@ def test_every_installed_scheme_has_a_conformance_subclass(request):
     }
     assert not missing, (
         f"installed schemes without a SchemeConformance subclass among the collected tests: {missing}. "
-        "Each scheme's distribution needs tests/test_conformance.py subclassing butter_core.testing.SchemeConformance, "
+        "Each scheme's distribution needs tests/test_conformance.py subclassing butter_core.testing.SchemeConformance "
+            "(RecurrentConformance for a recurrent-layer scheme), "
         "and this run must collect it (tox's env for that distribution does)."
     )
 

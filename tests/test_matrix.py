@@ -1,4 +1,4 @@
-"""Every installed scheme x {no eviction, window} x {llama, qwen3}, on tiny models through the real loader.
+"""Every installed attention scheme x {no eviction, window} x {llama, qwen3}, on tiny models through the real loader.
 
 * Generation runs for every combination, and a window bounds every layer's live slots.
 * With the raw scheme, greedy tokens equal a full recompute exactly — under a window
@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 
 from butter_core import LoadOptions, Window
+from butter_core.cache import ATTENTION
 from butter_core.engine import cache_windows
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 from butter_core.testing.recompute import greedy_recompute
 from butter_core.testing.tiny_models import TinySpec
 
-SCHEMES = sorted(get_plugin_host().schemes)
+SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items() if ATTENTION in r.scheme.layer_types)
 EVICTIONS = {"unbounded": None, "window8keep2": Window(max_size=8, keep=2), "window5keep0": Window(max_size=5, keep=0)}
 PROMPT = "The quick brown fox jumps over the lazy dog."  # 18 tokens: longer than every window above
 STEPS = 10

@@ -6,10 +6,12 @@ import importlib
 import sys
 from importlib import metadata
 import textwrap
+from typing import ClassVar
 
+import attrs
 import pytest
 
-from butter_core import PluginError, Raw, UnknownSchemeError, Window, make_layer_caches
+from butter_core import CacheKind, PluginError, UnknownSchemeError, Window, make_layer_caches
 from butter_core.cache import LayerSpec
 from butter_core.errors import AmbiguousSchemeError
 from butter_core.plugins import PluginHost
@@ -240,11 +242,18 @@ def test_load_plugins_env_restricts(install, only):
     assert list(host.plugins) == ["window"]
 
 
+@attrs.frozen
+class RawKind(CacheKind):
+    scheme: ClassVar[str] = "raw"
+
+
 def test_no_scheme_installed_gives_install_command(only, monkeypatch):
     monkeypatch.setattr(metadata, "entry_points", lambda group: [])  # nothing of ours is installed
     host = only()
     with pytest.raises(UnknownSchemeError, match="installed schemes: none.*pip install butter-raw"):
-        make_layer_caches(Raw(), [LayerSpec(1, 64, 16)], host=host)
+        host.parse_kv_cache("raw")
+    with pytest.raises(UnknownSchemeError, match="installed schemes: none.*pip install butter-raw"):
+        make_layer_caches(RawKind(), [LayerSpec(1, 64, 16)], host=host)  # a kind whose plugin went missing
     with pytest.raises(UnknownSchemeError, match="'aura4v2'.*pip install butter-aura"):
         host.parse_kv_cache("aura4v2")
 

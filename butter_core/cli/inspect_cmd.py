@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from butter_core.cache import LayerSpec
 from butter_core.cli.model_options import add_model_arguments, load_model
 from butter_core.cpu_blas import LOADED_BLAS
 from butter_core.engine import cache_windows
 from butter_core.generation import format_bytes
+from butter_core.layer_caches import layer_kinds
 
 TRACE_PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -20,31 +22,30 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     model = load_model(args)
-    a = model.network.args
     print(f"model: {model.path}")
-    print(
-        f"family {a.model_type}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-        f"{a.num_attention_heads} heads ({a.num_key_value_heads} KV) of {a.head_dim}, vocab {a.vocab_size}, "
-        f"max_position_embeddings {a.max_position_embeddings}"
-    )
+    print(model.network.describe())
     print(f"weights: {model.weights}; BLAS: {LOADED_BLAS or 'bundled with MLX'}")
     caches = model.engine.make_layer_caches()
     if args.layer_trace:
         ids = model.tokenizer.encode(args.prompt)
         print(f"layer trace: one forward of {len(ids)} tokens")
-        for timing in model.engine.layer_trace(ids, caches):
-            print(f"  layer {timing.layer_index:>3}  {timing.seconds * 1e3:8.2f} ms  output {list(timing.output_shape)}")
-    scheme = str(model.options.kv_cache)
-    print(f"{'layer':>5}  {'scheme':<10} {'window':<28} {'K/V shape':<20} {'dtype':<9} {'allocated':>10} {'live':>10}")
+        for timing, cache in zip(model.engine.layer_trace(ids, caches), caches):
+            print(f"  layer {timing.layer_index:>3}  {cache.spec.layer_type:<11} {timing.seconds * 1e3:8.2f} ms  "
+                  f"output {list(timing.output_shape)}  cache {format_bytes(cache.nbytes_live)}")  # fmt: skip
+    print(f"{'layer':>5}  {'type':<11} {'scheme':<12} {'window':<28} {'shape':<24} {'dtype':<9} {'allocated':>10} {'live':>10}")
+    kinds = layer_kinds(model.options)
     for cache, window in zip(caches, cache_windows(caches)):
         s = cache.spec
-        shape = str([s.batch_size, s.n_kv_heads, s.max_positions, s.head_dim])
+        if isinstance(s, LayerSpec):
+            shape = f"K/V {[s.batch_size, s.n_kv_heads, s.max_positions, s.head_dim]}"
+        else:
+            shape = f"state {[s.batch_size, *s.state_shape]}"
         print(
-            f"{s.layer_index:>5}  {scheme:<10} {str(window or '-'):<28} {shape:<20} {str(s.dtype).removeprefix('mlx.core.'):<9} "
-            f"{format_bytes(cache.nbytes_allocated):>10} {format_bytes(cache.nbytes_live):>10}"
+            f"{s.layer_index:>5}  {s.layer_type:<11} {str(kinds(s.layer_type)):<12} {str(window or '-'):<28} {shape:<24} "
+            f"{str(s.dtype).removeprefix('mlx.core.'):<9} {format_bytes(cache.nbytes_allocated):>10} "
+            f"{format_bytes(cache.nbytes_live):>10}"
         )
     total_allocated = sum(c.nbytes_allocated for c in caches)
     total_live = sum(c.nbytes_live for c in caches)
     print(f"total: {format_bytes(total_allocated)} allocated, {format_bytes(total_live)} live")
     return 0
-

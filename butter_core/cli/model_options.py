@@ -1,7 +1,7 @@
 """Flags shared by the commands that load a model, and turning them into ``LoadOptions``.
 
-``-m/--model``, ``--kv-cache``, ``--kv-window-size``/``--kv-window-keep`` and
-``--max-context``. Every invalid value raises a ``ButterError`` naming its flag, which
+``-m/--model``, ``--kv-cache``, ``--state-cache``, ``--kv-window-size``/``--kv-window-keep``
+and ``--max-context``. Every invalid value raises a ``ButterError`` naming its flag, which
 ``butter_core.cli.main`` reports in one line with exit code 2.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 from butter_core import parse_kv_cache
 from butter_core.config import LoadOptions, Window
-from butter_core.errors import ConfigError
+from butter_core.errors import ButterError, ConfigError
 from butter_core.model import Model
 
 
@@ -61,6 +61,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the model and KV cache flags to ``parser``."""
     add_model_argument(parser)
     parser.add_argument("--kv-cache", default="raw", metavar="SCHEME", help="KV cache scheme (see `butter plugins`); default raw")
+    parser.add_argument("--state-cache", metavar="SCHEME",
+                        help="cache scheme of recurrent (Mamba2, gated delta) layers; default ssm (butter-ssm)")  # fmt: skip
     parser.add_argument("--kv-window-size", type=positive_int, metavar="N", help="sliding-window eviction: keep at most N positions per layer")
     parser.add_argument("--kv-window-keep", type=non_negative_int, metavar="K", help="sink positions the window never evicts (default 4)")
     parser.add_argument("--max-context", type=positive_int, metavar="N", help="cap full-attention layers' cache at N positions")
@@ -79,7 +81,15 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
             eviction = Window(max_size=args.kv_window_size, **keep)
         except ConfigError as exc:
             raise ConfigError(f"--kv-window-size/--kv-window-keep: {exc}") from exc
-    return LoadOptions(kv_cache=kind, kv_eviction=eviction, max_context_length=args.max_context)
+    state = None if args.state_cache is None else _state_cache(args.state_cache)
+    return LoadOptions(kv_cache=kind, kv_eviction=eviction, max_context_length=args.max_context, state_cache=state)
+
+
+def _state_cache(text: str):
+    try:
+        return parse_kv_cache(text)
+    except ButterError as exc:
+        raise type(exc)(f"--state-cache: {exc}") from exc
 
 
 def load_model(args: argparse.Namespace) -> Model:

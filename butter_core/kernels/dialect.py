@@ -425,12 +425,10 @@ def compact(source: str) -> str:
     preprocessor directives and macro continuations, stay as they are.
 
     MLX copies a custom kernel's whole source into every call and hashes it again when
-    the call is evaluated (~0.24 µs per KB on the H200's host; docs/benchmarks.md).
-    Compacting took affine4's tensor-core partials kernel from 30.9 to 24.3 KB and its
-    call from 0.502-0.509x raw SDPA's time at 128k to 0.486-0.501x (side by side, two runs
-    of 7 rounds, identical outputs; 2026-12-01). Kernel sources hold no string literals,
-    so a ``//`` always starts a comment; one that ends in a line continuation (which
-    would swallow the next line) is refused."""
+    the call is evaluated, so a shorter source makes a cheaper call (measurements:
+    docs/benchmarks.md, "butter_core/kernels/dialect.py"). Kernel sources hold no string
+    literals, so a ``//`` always starts a comment; one that ends in a line continuation
+    (which would swallow the next line) is refused."""
     lines = []
     for line in source.splitlines():
         code, slashes, comment = line.partition("//")

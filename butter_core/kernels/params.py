@@ -5,11 +5,9 @@ live length, the softmax scale, which slots a ring holds. Made the plain way, wi
 ``mx.array([length])``, such an array lands where MLX's CUDA allocator puts every array
 of 8 bytes or less: a pool of host memory the GPU reads across the bus (larger arrays
 made from host data go to managed memory instead, which migrates to the GPU on its
-first touch). Every warp that reads the parameter waits on that read. On the H200
-(MLX 0.32.4, 2026-12-01, 28 chained layers, ``bench/gpu_kernel_params.py``,
-docs/benchmarks.md), butter-affine's affine4 decode call took 42-47 µs per layer at 4k keys
-with its length and scale made per call that way, and 30.5-41 through ``kernel_params``;
-butter-aura's aura4v2 74-94 against 65.5-70.5, and at 128k keys 119.5-127 against 101-102.
+first touch). Every warp that reads the parameter waits on that read, which made
+butter's decode calls measurably slower (measurements: docs/benchmarks.md,
+"butter_core/kernels/params.py").
 
 ``kernel_params`` makes each distinct parameter tuple once and keeps the most recent
 ones, so the layers of a decode step share one array: one small GPU op per step instead

@@ -42,19 +42,14 @@ one state into another) folds a part's splits; ``splitk_combine`` merges the par
 ``splitk_store_part``, a barrier, ``splitk_parts_state``. The merge kernel calls
 ``splitk_fold`` and ``splitk_combine``; a scheme's own merge may call the pieces (AURA's
 folds in full-precision rows too, and after one barrier its warp 0 merges the parts for
-its own lanes' dimensions with ``splitk_parts_state``). The threadgroup
-runs ``parts`` threads per dimension (``merge_threads``): each folds its share of the
-splits into an online-softmax state, its loads independent of each other, and the
-parts' states meet in shared memory. A
-merge is a short chain of dependent loads, on the critical path of every decode step
-(a layer's attention waits for it). In isolation on the H200 at 128k (Nsight Compute,
-caches flushed, 2026-12-02), affine4's merge (33 splits) took 6.3 µs this way against
-7.2 with one thread per dimension summing every split, and AURA's (49 splits, 36
-full-precision rows, its loads issued before any is used) 10.4 against 18.7; the second
-kernel of raw SDPA takes 4.1. A thread loads its splits ``SPLITK_FOLD_BATCH`` at a time
-before folding them, and the fold selects rather than branches (behind a branch the
-compiler sank the loads, two latencies a split): affine4's merge among chained calls
-3.7 → 2.6 µs (H200, 128k, kernel stamps, 2026-12-02).
+its own lanes' dimensions with ``splitk_parts_state``). A merge is a short chain of
+dependent loads, on the critical path of every decode step (a layer's attention waits
+for it), so the chain is kept short: the threadgroup runs ``parts`` threads per dimension
+(``merge_threads``), each folding its share of the splits into an online-softmax state,
+its loads independent of each other, and the parts' states meet in shared memory
+(faster than one thread per dimension summing every split). A thread loads its splits
+``SPLITK_FOLD_BATCH`` at a time before folding them, and the fold selects rather than
+branches (behind a branch the compiler sank the loads, two latencies a split).
 
 Partials are ``partial_acc [B, Hq, splits, D]``, ``partial_max`` and ``partial_sum``
 ``[B, Hq, splits]``, all float32 (``SplitKLaunch.output_shapes``/``output_dtypes``); a
@@ -62,8 +57,9 @@ split that saw no key has ``m = -inf, l = 0``. ``merge_partials`` merges them in
 attention output.
 
 A one-launch merge (the last threadgroup of each head chunk merging the splits, counted
-with device-wide atomics) was tried and measured 2-6 µs slower per call on the H200
-(2026-11-30), because MLX fills such an output with a separate kernel.
+with device-wide atomics) was tried and was slower per call, because MLX fills such an
+output with a separate kernel. Measurements: docs/benchmarks.md,
+"butter_core/kernels/split_k.py".
 """
 
 from __future__ import annotations

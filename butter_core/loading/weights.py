@@ -10,16 +10,16 @@ packed into uint32 with ``.scales`` and ``.biases`` per group, config
 Which is faster depends on the backend. On a GPU weights stay as stored. On the CPU
 they become float32 (quantized scales included: fp16 scales make MLX's CPU quantized
 matmul far slower still), and are dequantized only when a fast BLAS is in use
-(``butter_core.cpu_blas``). Measured on SmolLM2-135M with 2 cores
-(``bench/cpu_weights.py``): dequantized float32 on OpenBLAS prefills ~23x and decodes
-~2x faster than quantized; on MLX's bundled reference BLAS it is no faster (within
-noise) and takes 3x the memory.
+(``butter_core.cpu_blas``): on OpenBLAS dequantized float32 prefills and decodes much
+faster than quantized weights; on MLX's bundled reference BLAS it is no faster and takes
+more memory (measurements: docs/benchmarks.md, "butter_core/loading/weights.py").
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -37,7 +37,7 @@ QUANT_BITS = (2, 3, 4, 5, 6, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+_LAYER_NAME = re.compile(r"(?:model|backbone)\.layers\.(\d+)\.")
 """Tensors some checkpoints carry that the model recomputes."""
 
 
@@ -181,11 +181,12 @@ def load_weights(
     validating first."""
     if model.args.tie_word_embeddings:
         entries = {name: e for name, e in entries.items() if not name.startswith("lm_head.")}
+    entries, derived = _adapted(model, entries)
     quantization = parse_quantization(config, config_path)
     plan = _quantized_modules(model, entries, quantization, config_path)
     _check_tensors(entries, _expected_tensors(model, plan), config_path, model.args.model_type)
     dequantize, dtype = options.resolve()
-    arrays = _read_arrays(entries)
+    arrays = _read_arrays(entries, derived)
     if plan and dequantize:
         arrays = _dequantized(arrays, plan, dtype)
     elif plan:
@@ -257,15 +258,50 @@ def _check_tensors(
             raise ModelLoadError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; expected one of {valid}")
 
 
-def _read_arrays(entries: dict[str, TensorEntry]) -> dict[str, mx.array]:
-    arrays = {}
-    for file in sorted({e.file for e in entries.values()}):
+@attrs.frozen
+class Derived:
+    """A tensor the model holds that a checkpoint layout stores otherwise (a family's
+    ``checkpoint_layout``): computed by ``combine`` from the arrays of ``sources``."""
+
+    sources: tuple[TensorEntry, ...]
+    combine: Callable[[list[mx.array]], mx.array]
+
+
+def _adapted(model, entries: dict[str, TensorEntry]) -> tuple[dict[str, TensorEntry], dict[str, Derived]]:
+    """The checkpoint's tensors by the model's names: a family whose checkpoints come in
+    several layouts (Hugging Face's, mlx-lm's) maps them with ``checkpoint_layout(entries)``,
+    which returns, per tensor of the model, the entry it is read from (whose ``name`` is the
+    stored one) or a ``(TensorEntry, Derived)`` pair: the entry as the model sees it (its
+    shape and dtype are validated), and how to compute it."""
+    layout = getattr(model, "checkpoint_layout", None)
+    if layout is None:
+        return entries, {}
+    adapted, derived = {}, {}
+    for name, source in layout(entries).items():
+        if isinstance(source, tuple):
+            adapted[name], derived[name] = source
+        else:
+            adapted[name] = source
+    return adapted, derived
+
+
+def _read_arrays(entries: dict[str, TensorEntry], derived: dict[str, Derived]) -> dict[str, mx.array]:
+    wanted = {}
+    for name, entry in entries.items():
+        for source in derived[name].sources if name in derived else (entry,):
+            wanted.setdefault(source.file, set()).add(source.name)
+    stored = {}
+    for file in sorted(wanted):
         try:
             loaded = mx.load(str(file))
         except (RuntimeError, ValueError) as exc:
             raise ModelLoadError(f"{file}: could not read tensors: {exc}") from exc
-        arrays.update({name: a for name, a in loaded.items() if name in entries})
-    return arrays
+        stored.update({name: a for name, a in loaded.items() if name in wanted[file]})
+    return {
+        name: derived[name].combine([stored[s.name] for s in derived[name].sources]) if name in derived
+        else stored[entry.name]
+        for name, entry in entries.items()
+    }
 
 
 def _dequantized(arrays: dict[str, mx.array], plan: dict[str, Quantization], dtype: mx.Dtype | None) -> dict[str, mx.array]:

@@ -1,7 +1,8 @@
 """Model families, and choosing one from a ``config.json``.
 
 Each family is a module with ``ARCHITECTURES`` (Hugging Face class names),
-``MODEL_TYPES`` and ``build(config, source) -> DecoderModel``.
+``MODEL_TYPES`` and ``build(config, source)``, which returns a model with the interface of
+``DecoderModel`` (``hidden_states``, ``logits``, ``layer_specs``, ``layer_windows``, ``describe``...).
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from types import ModuleType
 from typing import Any
 
 from butter_core.errors import ModelLoadError
-from butter_core.models import llama, qwen3
+from butter_core.models import llama, mamba2, qwen3
 from butter_core.models.base import DecoderModel, ModelArgs
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3)
+FAMILIES: tuple[ModuleType, ...] = (
+    llama,
+    qwen3,
+    mamba2,
+)
 
 
 def supported_architectures() -> list[str]:

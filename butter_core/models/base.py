@@ -23,7 +23,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from butter_core.cache import LayerCache, Mask
+from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.config import Window
 from butter_core.errors import ModelLoadError
 
@@ -208,7 +208,7 @@ def window_mask(length: int, window: Window | None) -> Mask:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA whose K/V history lives in a ``LayerCache``."""
+    """Multi-head attention with GQA whose K/V history lives in an ``AttentionCache``."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -229,7 +229,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim)
         return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, cache: LayerCache | None, mask: Mask = "causal") -> mx.array:
+    def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
         """Attend ``x``'s tokens: through ``cache`` if given, else over ``x`` alone under ``mask``."""
         batch, tokens, _ = x.shape
         q, k, v = self.project(x)
@@ -265,7 +265,7 @@ class Block(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: LayerCache | None, mask: Mask = "causal") -> mx.array:
+    def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -299,6 +299,27 @@ class DecoderModel(nn.Module):
     @property
     def layers(self) -> list[Block]:
         return self.model.layers
+
+    def layer_specs(self, max_positions: int) -> list[LayerSpec]:
+        """What each layer's cache must hold, attention layers holding up to ``max_positions``."""
+        args = self.args
+        return [
+            LayerSpec(args.num_key_value_heads, args.head_dim, max_positions, dtype=self.dtype, layer_index=index)
+            for index in range(args.num_hidden_layers)
+        ]
+
+    def layer_windows(self) -> list[Window | None]:
+        """Per layer, the window the family bounds its attention by (None: full attention)."""
+        return self.args.layer_windows()
+
+    def describe(self) -> str:
+        """One line for ``butter inspect``: the family and its shape."""
+        a = self.args
+        return (
+            f"family {a.model_type}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+            f"{a.num_attention_heads} heads ({a.num_key_value_heads} KV) of {a.head_dim}, vocab {a.vocab_size}, "
+            f"max_position_embeddings {a.max_position_embeddings}"
+        )
 
     @property
     def dtype(self) -> mx.Dtype:

@@ -5,8 +5,7 @@ names this module, and butter calls ``butter_register_cache_schemes`` once when 
 plugin loads.
 """
 
-from butter_core import CacheScheme, hookimpl
-
+from butter_core.plugin_api import CacheScheme, hookimpl
 from butter_example_scheme.cache import FP8Cache
 from butter_example_scheme.kernels import KERNEL_CHECKS
 from butter_example_scheme.kind import FP8, NAMES, parse

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core import LayerSpec
-from butter_core.kernels import default_device_is_gpu
-
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec, default_device_is_gpu
 from butter_example_scheme import codec, kernels
-from butter_core.slots import BufferedSlotCache
 from butter_example_scheme.kind import FP8
 
 

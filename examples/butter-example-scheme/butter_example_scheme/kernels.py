@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, KernelCheck
-
+from butter_core.plugin_api import Kernel, KernelCheck
 from butter_example_scheme import codec
 
 _E4M3_HELPER = """

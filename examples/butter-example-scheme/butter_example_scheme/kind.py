@@ -6,8 +6,7 @@ from typing import ClassVar
 
 import attrs
 
-from butter_core import CacheKind
-from butter_core.config import one_of
+from butter_core.plugin_api import CacheKind, one_of
 
 SCALE_DTYPES = ("float16", "float32")
 """Dtypes a per-vector scale may be stored in. float16 is the default: with codes

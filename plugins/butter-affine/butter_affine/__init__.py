@@ -1,20 +1,20 @@
 """butter-affine: affine-quantized KV caches (affine8, affine6, affine4, affine{bits}g{group}).
 
-The kind is core's ``butter_core.Affine``; this distribution parses its CLI strings,
-creates ``AffineCache`` layers and ships the scheme's GPU kernels with their checks.
+The kind, ``Affine``, is defined here (``butter_affine.kind``); this distribution parses its
+CLI strings, creates ``AffineCache`` layers and ships the scheme's GPU kernels with their checks.
 """
 
 from __future__ import annotations
 
 import re
 
-from butter_core import Affine, CacheScheme, hookimpl
-from butter_core.config import AFFINE_BITS
+from butter_core.plugin_api import CacheScheme, hookimpl
 
 from butter_affine.cache import AffineCache
+from butter_affine.kind import AFFINE_BITS, Affine
 from butter_affine.working_set import PrefillPipeline
 
-__all__ = ["AffineCache", "PrefillPipeline", "butter_register_cache_schemes", "parse"]
+__all__ = ["Affine", "AffineCache", "PrefillPipeline", "butter_register_cache_schemes", "parse"]
 
 _NAME = re.compile(r"affine(\d+)(?:g(\d+))?")
 EXAMPLES = ("affine4", "affine6", "affine8", "affine4g64", "affine8g32")

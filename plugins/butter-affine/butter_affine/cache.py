@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core import Affine, LayerSpec
-from butter_core.cache import Mask
-from butter_core.slots import BufferedSlotCache
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask
 
+from butter_affine.kind import Affine
 from butter_affine.ops import AffineOps, select_ops
 from butter_affine.packing import STACKS, PackedFormat
 from butter_affine.working_set import PrefillPipeline

@@ -1,61 +1,41 @@
 """Which implementation of each affine operation a cache uses here, chosen once per cache.
 
 Three operations: quantize new rows, dequantize the live slots (multi-token attention),
-and single-token decode attention. Per backend, from measurement:
+and single-token decode attention. Per backend, from measurement (docs/benchmarks.md,
+"plugins/butter-affine/butter_affine/ops.py"):
 
 | operation | CPU | CUDA | Metal (not measured: no Apple GPU here) |
 |---|---|---|---|
-| quantize | float32: ``mx.quantize`` (identical to the reference, 9x faster than it); else the reference, compiled | ``quantize_kv`` kernel, traced once per row shape (``traced_quantize``) | ``quantize_kv`` kernel |
+| quantize | float32: ``mx.quantize`` (identical to the reference, and faster); else the reference, compiled | ``quantize_kv`` kernel, traced once per row shape (``traced_quantize``) | ``quantize_kv`` kernel |
 | dequantize | reference (``codec.dequantize``), compiled | ``dequantize_kv`` kernel | ``dequantize_kv`` kernel |
 | decode | float32: 8-bit codes with one group per row: the keys' codes cast to float32 and a matmul, scales and biases applied to the products, the values through ``mx.quantized_matmul`` (``one_group_decode``); other float32 formats: dequantized keys (as planes) and matmuls for the scores, ``mx.quantized_matmul`` for the values (``float32_decode``); either traced once per buffer shape; else dequantize + SDPA | 4/6/8-bit (6-bit: head_dim 128/256), float16/bfloat16: tensor-core ``decode_mma`` kernel; else fused ``decode_attention`` kernel; either traced once per buffer shape (``kernel_decode``) | dequantize + SDPA (the seed's path) |
 
 CPU: float32 is what butter runs there (``butter_core.loading.weights``); there
 ``mx.quantize`` and ``mx.quantized_matmul`` compute exactly what the reference does.
 MLX's CPU ``quantized_matmul`` is quick for the values' product (``transpose=False``)
-but slow for the scores' (``transpose=True``: ~490 against ~110 µs per default-model
-layer at 1k), so the scores come from the keys dequantized by a compiled
-``codec.dequantize_planes`` (8-bit codes through a byte view, 4- and 6-bit codes as
-planes of every second or fourth coordinate) and BLAS matmuls. 30 default-model layers, quiet machine, 2026-11-30, both
-forms side by side on the same caches: affine8 15.5-17.1 ms against 21.6-22.3 with
-``quantized_matmul`` for both products, at 2k 28.0-28.2 against 42.4-42.9 (the form
-before the byte view: 38.0-38.4); affine4 17.4-18.2 against 23.2-24.0 (interleaved
-rows instead of planes: 22.0-22.7); affine6 26.7-27.9 against 29.1-30.0 (interleaved:
-30.2-31.6); raw SDPA 5.7-6.9 (1k) and 18.0-19.1 (2k). Reference
-dequantize + SDPA 28-46, ``mx.dequantize`` + SDPA 31-57 (``bench/cpu_decode_paths.py``).
-This is most of affine's CPU decode tax; MLX's CPU quantized kernels and elementwise
-unpacking, not butter's code, are the cost. Where a row is one group and its codes are
-bytes (affine8 at head_dim 64, butter's default model), nothing needs dequantizing: the
-scores are ``s (q · c) + b Σq`` and the output ``(w s) · c + w · b``, from codes only cast
-to float32 (``one_group_decode``); end to end on the default model at 1k, 5 interleaved
-rounds, affine8 decoded at 0.84-0.91x raw's tok/s this way against 0.74-0.87x (median
-0.853x against 0.802x; 2026-11-30). Both CPU decode paths take their products with the
-keys as rows and their softmax from ``butter_core.cpu_attention.softmax_for`` (base 2 from
-512 keys), as raw's CPU decode does: 30 default-model layers, context 1k / 4k,
-alternating processes with the form before (``bench/cpu_decode_paths.py``, 2026-12-01):
-affine8 11.7-11.9 ms against 13.2-13.8 at 1k (no change at 4k, 42-44); affine4
-16.9-17.1 against 18.9-19.0, 54.4 against 63.0-63.3. The same algebra with several
-groups per row (per-group products through a block-diagonal query) made affine4 slower
-(0.65-0.76x against 0.78-0.88x), and affine8 with two groups per row (head_dim 128,
-group 64; 28 layers of 8 KV / 16 query heads at 1k, scratch script, 2026-12-01) slower
-too: 84.3-86.3 ms per token against 53.8-62.5 for the planes; so other formats keep the
-planes. In bf16, ``mx.quantized_matmul`` computes in bf16 (3e-2 relative error against
-the float32 reference), so other dtypes dequantize to float32 and use SDPA.
+but slow for the scores' (``transpose=True``), so the scores come from the keys
+dequantized by a compiled ``codec.dequantize_planes`` (8-bit codes through a byte view,
+4- and 6-bit codes as planes of every second or fourth coordinate) and BLAS matmuls.
+MLX's CPU quantized kernels and elementwise unpacking, not butter's code, are most of
+affine's CPU decode tax. Where a row is one group and its codes are bytes (affine8 at
+head_dim 64, butter's default model), the keys need no dequantizing: the scores are
+``s (q · c) + b Σq`` from codes only cast to float32, and the values go through
+``mx.quantized_matmul`` (``one_group_decode``). The same algebra with several groups per
+row (per-group products through a block-diagonal query) was slower, for affine4 and for
+affine8 with two groups per row, so other formats keep the planes. Both CPU decode paths
+take their products with the keys as rows and their softmax from
+``butter_core.cpu_attention.softmax_for`` (base 2 from 512 keys), as raw's CPU decode
+does. In bf16, ``mx.quantized_matmul`` computes in bf16 (3e-2 relative error against the
+float32 reference), so other dtypes dequantize to float32 and use SDPA.
 
-CUDA (H200, bf16, 32/8 heads, D=128, amortised; docs/benchmarks.md): the fused kernel
-is the fastest accurate path at every context measured: at 128k, affine4 157.6 µs
-against 315.4 for ``mx.quantized_matmul`` and 2648 for dequantize + SDPA. At 4k
-``mx.quantized_matmul`` is faster (31 against 45 µs) but computes in bf16, and on 8-bit
-codes in the form the CPU path uses (query heads as matrix rows) it crashed MLX 0.32.4
-(illegal memory access), so it is not used.
+CUDA: the fused kernels are the fastest accurate path at every context measured.
+``mx.quantized_matmul`` is faster at 4k but computes in bf16, and on 8-bit codes in the
+form the CPU path uses (query heads as matrix rows) it crashed MLX 0.32.4 (illegal memory
+access), so it is not used.
 
 The tensor-core kernel (``kernels.decode_mma``) takes 4-, 6- and 8-bit codes with float16
 or bfloat16 queries and scales, and head_dim 64/128/256 (6-bit: 128/256); float32 and
-6-bit codes at head_dim 64 keep the float32 ``decode`` kernel. affine6 at 128k, side by
-side with raw SDPA: 0.638x its time on tensor cores against 1.278x with the float32
-kernel (7 rounds, 2026-11-30). On the H200 at 128k it takes 0.4x the float32 kernel's time
-(affine4 63.0-71.3 against 157-162 µs; ``bench/gpu_affine.py``); side by side with raw
-SDPA, 0.488-0.512x its time (medians of 7-9 rounds in six runs; single rounds 0.45-0.53x), and
-0.79-1.16x raw's at 4k and 32k.
+6-bit codes at head_dim 64 keep the slower float32 ``decode`` kernel.
 """
 
 from __future__ import annotations
@@ -66,10 +46,15 @@ from functools import cache, partial, reduce
 import attrs
 import mlx.core as mx
 
-from butter_core.compiled import compile_by_shape
-from butter_core.cpu_attention import grouped_queries, softmax_for
-from butter_core.kernels import default_device_is_gpu, gpu_backend, kernel_params
-from butter_core.slots import unstack
+from butter_core.plugin_api import (
+    compile_by_shape,
+    default_device_is_gpu,
+    gpu_backend,
+    grouped_queries,
+    kernel_params,
+    softmax_for,
+    unstack,
+)
 
 from butter_affine import codec
 from butter_affine.kernels import decode, decode_mma, dequantize, quantize
@@ -133,9 +118,9 @@ def kernel_decode(*, tensor_cores: bool) -> Decode:
     stacks, traced by ``mx.compile`` once per buffer shape (``compile_by_shape``) and
     replayed every step: the live length and the scale reach the kernel as device arrays
     (``decode_attention_live``), so the call's graph does not change between steps, only
-    when the buffers grow. Building the call anew took 32 µs of host time per layer,
-    replaying it 11 (H200 host, MLX 0.32.4, affine4 at 4k, 28 layers chained; 2026-12-01,
-    docs/benchmarks.md); a decode step on the GPU is host-bound."""
+    when the buffers grow. Replaying costs far less host time than building the call
+    anew, and a decode step on the GPU is host-bound (measurements: docs/benchmarks.md,
+    "plugins/butter-affine/butter_affine/ops.py")."""
 
     def graph(queries, codes, scales_biases, live, scale):
         buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
@@ -168,9 +153,8 @@ def _cpu_ops(fmt: PackedFormat) -> AffineOps:
     bits, group_size = fmt.bits, fmt.group_size
     if fmt.dtype == mx.float32:
         def quantize_rows(keys, values):
-            # One mx.quantize over keys and values stacked. ``bench/cpu_decode_paths.py``
-            # (affine8, 1k): the append of 30 layers 0.96-1.09 ms a token, against 1.26-1.35
-            # with one mx.quantize each.
+            # One mx.quantize over keys and values stacked: a faster append than one
+            # mx.quantize each (docs/benchmarks.md, "plugins/butter-affine/butter_affine/ops.py").
             return stack_quantized_pair(*mx.quantize(mx.stack([keys, values]), group_size=group_size, bits=bits))
     else:
         quantize_rows = compile_by_shape(partial(quantize.quantize_kv_reference, bits=bits, group_size=group_size))
@@ -205,29 +189,21 @@ def one_group_decode(queries: mx.array, stacks: Buffers, length: int, scale: flo
     the cast codes and a few products the size of the scores; the values' product is
     ``mx.quantized_matmul`` (``transpose=False``, MLX's fast direction on the CPU), which
     reads the value codes without a cast. Products and softmax in
-    ``butter_core.cpu_attention``'s form (keys as rows, ``softmax_for``).
-
-    The values were cast too until 2026-12-02 (``Σ_i w_i v_i = (w s) · c + w · b``). 30
-    default-model layers, attention ms per token, three alternating processes of each
-    (``bench/cpu_decode_paths.py`` with the old form patched back in), medians: 1k 27.8
-    against 31.1 (raw 21.8), 4k 81 against 102 (raw 57), on a day this machine ran 2-3x
-    slower than the figures below (docs/benchmarks.md).
+    ``butter_core.cpu_attention``'s form (keys as rows, ``softmax_for``). (The values were
+    cast too until 2026-12-02, ``Σ_i w_i v_i = (w s) · c + w · b``; ``quantized_matmul``
+    is faster.)
 
     Every product runs over all allocated slots, the weights of those past ``length`` set
     to 0 (their codes, scales and biases are finite: zeros or an earlier row's): the live
     slots of a buffer that has room to grow are a strided slice, which MLX's CPU casts
-    and elementwise ops take on a slower general path. One default-model layer, 9 / 3
-    heads, one slot past a multiple of 256 (scratch script, 2026-12-01): 374-378 µs
-    against 395-417 for the live slice at 1k, 1011-1024 against 1249-1261 at 4k (raw
-    217-246 and 661-701). The planes path (``float32_decode``) gained nothing this way.
+    and elementwise ops take on a slower general path. (The planes path,
+    ``float32_decode``, gained nothing this way.)
 
     The whole step is one ``mx.compile``d function per buffer shape, the live length a
     mask from an array (``kernel_params``), so MLX fuses the elementwise ops around the
-    two products and builds one call instead of about fifteen: on a 2-core Xeon whose
-    CPU ops cost tens of µs each (2026-12-02, ``bench/cpu_decode_paths.py``, two
-    alternating processes each), 30 layers' attention took 14.8-15.5 ms a token at 1k
-    against 16.9-18.1 uncompiled (raw 10.7-11.7), and 53.8-55.1 against 58.9-62.5 at 4k
-    (raw 32.5-34.5)."""
+    two products and builds one call instead of about fifteen, which pays where MLX's
+    per-op cost is high (a small CPU). Measurements of all three: docs/benchmarks.md,
+    "plugins/butter-affine/butter_affine/ops.py"."""
     # One group per row: a row's 8-bit codes are its group (uint32 words of 4 codes).
     return _traced_decode(queries, stacks, length, scale, scores=_one_group_scores, bits=8,
                           group_size=stacks["codes"].shape[-1] * 4)
@@ -248,7 +224,8 @@ def float32_decode(queries: mx.array, stacks: Buffers, length: int, scale: float
     for the values (mlx-lm uses it for both products).
 
     MLX's CPU ``quantized_matmul`` is fast for ``p V`` (``transpose=False``) but not for
-    ``q Kᵀ`` (``transpose=True``); the module docstring has the measurements. Like
+    ``q Kᵀ`` (``transpose=True``); measurements: docs/benchmarks.md,
+    "plugins/butter-affine/butter_affine/ops.py". Like
     ``one_group_decode``, it runs over every allocated slot as one traced call per
     buffer shape, the live length a mask from an array."""
     return _traced_decode(queries, stacks, length, scale, scores=_planes_scores, bits=bits, group_size=group_size)

@@ -22,7 +22,7 @@ import functools
 import attrs
 import mlx.core as mx
 
-from butter_core.errors import ConfigError
+from butter_core.plugin_api import ConfigError
 
 BUFFERS = ("key_codes", "key_scales", "key_biases", "value_codes", "value_scales", "value_biases")
 """The six arrays an affine layer cache holds, each ``[batch, n_kv_heads, slots, width]``."""

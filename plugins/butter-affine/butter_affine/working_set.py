@@ -10,16 +10,15 @@ layer's dequantized K/V stay alive:
   working set is one layer's, the same as a 5-layer step's (``tests/test_memory.py``).
 - On CUDA, a graph evaluated as one (a whole model's forward, as ``Engine.forward``
   does per chunk) keeps each layer's buffers until the GPU has finished that part of
-  the graph, and the host runs ahead: a 16-token step through 30 layers of 32k
-  positions peaked 2564 MiB above what it holds, 20 layers' dequantized K/V (5
-  layers: 641 MiB, all 5). H200, ``bench/gpu_affine.py``.
+  the graph, and the host runs ahead: a 30-layer step's working set grows to most of
+  its layers' dequantized K/V.
 
 A ``PrefillPipeline`` shared by all layers of one model bounds it: after each layer's
 multi-token attention it submits that layer (``mx.async_eval``) and waits for the
 layer before it, so the GPU always has the next layer queued while at most
-``depth + 1`` layers' dequantized K/V exist. Measured there: 385 MiB (3.0 layers) for
-30 layers, 257 MiB for 5, and the 30-layer step took 32.7 ms instead of 79.3 (the one
-graph also paid for 2.5 GiB of fresh allocations). Single-token attention never goes
+``depth + 1`` layers' dequantized K/V exist; the step is faster too, sparing the one
+graph's fresh allocations. Measurements: docs/benchmarks.md,
+"plugins/butter-affine/butter_affine/working_set.py". Single-token attention never goes
 through it (on CUDA it reads the codes and dequantizes nothing).
 """
 
@@ -29,7 +28,7 @@ from collections import deque
 
 import mlx.core as mx
 
-from butter_core.kernels import default_device_is_gpu
+from butter_core.plugin_api import default_device_is_gpu
 
 
 class PrefillPipeline:

@@ -4,9 +4,10 @@ import attrs
 import mlx.core as mx
 import pytest
 
-from butter_core import Affine, ConfigError, LayerSpec, Window, make_layer_caches, parse_kv_cache
+from butter_core import ConfigError, LayerSpec, Window, make_layer_caches, parse_kv_cache
 from butter_core.slots import unstack
 
+from butter_affine import Affine
 import butter_affine.working_set as working_set
 from butter_affine import AffineCache, PrefillPipeline, parse
 from butter_affine.ops import select_ops

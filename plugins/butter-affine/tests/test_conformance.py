@@ -3,8 +3,10 @@
 import mlx.core as mx
 import pytest
 
-from butter_core import Affine, LayerSpec, parse_kv_cache
+from butter_core import LayerSpec, parse_kv_cache
 from butter_core.testing import SchemeConformance
+
+from butter_affine import Affine
 
 TOLERANCE = {8: 0.02, 6: 0.05, 4: 0.25}
 """Relative attention error allowed against fp32 attention over the original K/V, by

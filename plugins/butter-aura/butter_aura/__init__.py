@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 
-from butter_core import Aura, CacheScheme, hookimpl
-from butter_core.errors import ConfigError
+from butter_core.plugin_api import CacheScheme, ConfigError, hookimpl
 
 from butter_aura.cache import AuraCache
 from butter_aura.codebooks import available_bits
+from butter_aura.kind import Aura
 
 _NAME = re.compile(r"aura\d+v\d+")
 
@@ -71,4 +71,4 @@ def butter_register_cache_schemes(register):
     )
 
 
-__all__ = ["AuraCache", "butter_register_cache_schemes", "parse"]
+__all__ = ["Aura", "AuraCache", "butter_register_cache_schemes", "parse"]

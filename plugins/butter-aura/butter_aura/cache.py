@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.cache import LayerSpec, attend
-from butter_core.config import Aura
-from butter_core.errors import ConfigError
-from butter_core.kernels import kernel_params
-from butter_core.slots import BufferedSlotCache
+from butter_core.plugin_api import BufferedSlotCache, ConfigError, LayerSpec, attend, kernel_params
 
 from butter_aura import reference
 from butter_aura.codec import SCALE_DTYPE
+from butter_aura.kind import Aura
 from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype, stacks_for
 from butter_aura.rotation import Rotation, layer_seed
 from butter_aura.stored import StoredLayer
@@ -77,7 +74,6 @@ class AuraCache(BufferedSlotCache):
         self._recent_positions = [-1] * self.budget.ring
         """The position each recent-ring row's slot held when written (-1: none): a row goes to
         the newer of two positions."""
-        self._pending: tuple[int, mx.array, mx.array] | None = None
         self._unencoded: list[int] = []
         """Recent-ring slots whose codes are not written yet (``store``); each is in the ring."""
 
@@ -116,19 +112,17 @@ class AuraCache(BufferedSlotCache):
             rows = self.ops.encode_rows(keys, values, self.rotation, self.key_codec, self.value_codec)
             self.slots.write(start, rows, live=self.length)
             self._keep_full_precision(start, keys, values, position)
-        self._pending = (start, keys, values)
 
     def _defers(self, start: int, keys: mx.array, position: int) -> bool:
         """Whether ``store`` may leave these rows' codes for later: one token, bound for a
         recent-ring row it takes (the newest position of its row), in the dtype the ring
         keeps or in float32 (whose ring keeps float16).
 
-        Coding float32 tokens from their float16 copies changes 0.4% of aura4v2's packed
-        4-bit code words (a code at a decision boundary moves one level) against coding them
-        at once, 3.3% of aura8v8's, by less than the codes' own error. It spares a float32
-        model's decode step its encode: 30 default-model layers at 1k, 1.0 ms an append
-        against 7.9, 8.74 decode tok/s against 8.06 (``butter bench``, 2-core CPU,
-        2026-12-02; docs/benchmarks.md)."""
+        Coding float32 tokens from their float16 copies changes a few of the code words
+        that coding them at once would write (a code at a decision boundary moves one
+        level), by less than the codes' own error, and spares a float32 model's decode step
+        its encode (measurements: docs/benchmarks.md,
+        "plugins/butter-aura/butter_aura/cache.py")."""
         index = self.budget.ring_index(start) if start >= self.budget.sinks else None
         return (keys.shape[2] == 1 and index is not None and position >= self._recent_positions[index]
                 and keys.dtype in (self.fp_dtype, mx.float32))
@@ -215,18 +209,21 @@ class AuraCache(BufferedSlotCache):
     # -- attention -------------------------------------------------------------
 
     def attention(self, queries, *, scale, mask):
-        tokens = queries.shape[2]
-        pending, self._pending = self._pending, None
-        if tokens == 1 and mask is None:
+        if queries.shape[2] == 1 and mask is None:
             return self.ops.decode_attention(queries, self.stored(), scale)
-        if isinstance(mask, str) and pending is not None:
-            start, keys, values = pending
-            if keys.shape[2] == tokens and start + tokens == self.length:
-                past_keys, past_values = self.load(start)
-                keys = mx.concatenate([past_keys, keys.astype(self.spec.dtype)], axis=2)
-                values = mx.concatenate([past_values, values.astype(self.spec.dtype)], axis=2)
-                return attend(queries, keys, values, scale=scale, mask=mask)
         keys, values = self.load(self.length)
+        return attend(queries, keys, values, scale=scale, mask=mask)
+
+    def store_and_attend(self, start, keys, values, position, queries, *, scale, mask):
+        """A chunk's queries see the chunk's own keys and values as they arrived, not decoded from
+        the codes just written (the codes' error would enter prefill attention twice); what came
+        before is decoded once. One token goes through ``attention`` (the decode kernel)."""
+        self.write(start, keys, values, position)
+        if not isinstance(mask, str) or start + keys.shape[2] != self.length:
+            return self.attention(queries, scale=scale, mask=mask)
+        past_keys, past_values = self.load(start)
+        keys = mx.concatenate([past_keys, keys.astype(self.spec.dtype)], axis=2)
+        values = mx.concatenate([past_values, values.astype(self.spec.dtype)], axis=2)
         return attend(queries, keys, values, scale=scale, mask=mask)
 
     # -- state and accounting --------------------------------------------------
@@ -263,7 +260,6 @@ class AuraCache(BufferedSlotCache):
         self._fp = {name: mx.array(fp[name]).astype(expected[name][1]) for name in ("fp_keys", "fp_values")}
         self._recent = fp["recent_slots"].astype(mx.int32).tolist()
         self._recent_positions = fp["recent_positions"].astype(mx.int32).tolist()
-        self._pending = None
         self._unencoded = []
 
     def meta_state(self):
@@ -281,7 +277,6 @@ class AuraCache(BufferedSlotCache):
 
     def truncate(self, length):
         super().truncate(length)
-        self._pending = None
         self._unencoded = [slot for slot in self._unencoded if slot < length]
         for index, slot in enumerate(self._recent):
             if slot >= length:  # the row is free for the positions written there next

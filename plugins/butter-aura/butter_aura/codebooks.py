@@ -16,7 +16,7 @@ from importlib import resources
 import attrs
 import mlx.core as mx
 
-from butter_core.errors import ConfigError
+from butter_core.plugin_api import ConfigError
 
 
 @attrs.frozen(eq=False)

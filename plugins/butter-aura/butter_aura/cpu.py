@@ -13,16 +13,18 @@ decode step costs MLX's per-op overhead plus elementwise work, and MLX's general
   keys and values stacked so that each reduction and look-up runs once for both
   (``_compiled_joint_encoder``);
 * codes become levels through ``mx.take_along_axis`` on a table broadcast to the codes'
-  rank, not ``mx.take``: on MLX's CPU 0.7-0.8 ns per element against 6.7 for ``mx.take``
-  and 1.8 for a compiled tree of selects on 4-bit codes (2026-11-30, 393k lookups). 2-
-  and 4-bit codes are read straight from the words' bytes into *planes* (plane ``k`` of
-  ``n`` holds coordinates ``k, k + n, ...``) by one 256-entry table per plane, indexed by
-  the byte itself, which products use as they are;
+  rank, not ``mx.take`` nor a compiled tree of selects: on MLX's CPU it is the fastest of
+  the three per element. 2- and 4-bit codes are read straight from the words' bytes into
+  *planes* (plane ``k`` of ``n`` holds coordinates ``k, k + n, ...``) by one 256-entry
+  table per plane, indexed by the byte itself, which products use as they are;
 * decode attention reads the codes of the span between the sinks and the recent ring
   (the full-precision slots are known on the host: ``StoredLayer.full_precision_slots``)
   and the full-precision rows as they are, under one softmax, instead of gathering the
   rows to full length; a scale per vector multiplies ``[query, slot]`` products rather
   than every decoded coordinate.
+
+Measurements: docs/benchmarks.md, "plugins/butter-aura/butter_aura/cpu.py", and
+docs/aura.md, "The CPU path".
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Callable
 import attrs
 import mlx.core as mx
 
-from butter_core.cpu_attention import softmax_for
+from butter_core.plugin_api import softmax_for
 
 from butter_aura import packing
 from butter_aura.codebooks import Codebook
@@ -104,10 +106,9 @@ def _compiled_joint_encoder(key_fields: tuple, value_fields: tuple) -> Callable:
     """``_rotate_and_code`` for one token, compiled, with keys and values stacked on a
     leading axis: each is coded with its own codebook (the boundaries padded with +inf and
     the levels with 0 to one width), so the rotation, every reduction and the level look-up
-    run once for both. Same codes and scales; 30 default-model layers' one-token encodes
-    (3 KV heads, head_dim 64, one graph) 3.7 against 5.2-5.9 ms for aura4v2 and aura4v4,
-    4.1-4.4 against 5.0-5.4 for aura8v4 and aura8v8 (2026-11-30, 2-core CPU, five rounds
-    each, alternating). The two codecs must share their scale groups."""
+    run once for both. Same codes and scales as coding each apart, in less time
+    (measurements: docs/benchmarks.md, "plugins/butter-aura/butter_aura/cpu.py"). The two codecs must share their
+    scale groups."""
     key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
     books = (key_codec.book, value_codec.book)
     bounds = _stacked_table([book.boundaries for book in books], mx.inf)
@@ -285,8 +286,9 @@ def decode_attention(queries: mx.array, stored: StoredLayer, scale: float) -> mx
     (either may be empty, and is then skipped): the codes of the span of slots between
     the sinks and the recent ring (``_coded_part``) and the full-precision rows
     (``_full_precision_part``). The softmax is ``butter_core.cpu_attention.softmax_for``'s
-    (from 512 slots in base 2, the scores scaled by ``scale · log2 e``: 2.6x cheaper per
-    element on MLX's CPU).
+    (from 512 slots in base 2, the scores scaled by ``scale · log2 e``: cheaper per
+    element on MLX's CPU than ``mx.exp``; docs/benchmarks.md,
+    "butter_core/cpu_attention.py").
     """
     batch, q_heads, tokens, dims = queries.shape
     kv_heads, length = stored.key_codes.shape[1], stored.length

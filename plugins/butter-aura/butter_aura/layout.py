@@ -13,9 +13,8 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
-from butter_core.config import Aura
-
 from butter_aura.codec import Codec
+from butter_aura.kind import Aura
 
 SCALE_GROUP: int | None = None
 """Coordinates per scale: None is one scale per vector (per head, per position). Measured

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from butter_core import Aura, ConfigError, LayerSpec, Window, make_layer_caches, parse_kv_cache
+from butter_core import ConfigError, LayerSpec, Window, make_layer_caches, parse_kv_cache
 from butter_core.cache import reference_attention
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 from butter_core.testing.reference import relative_error
 
+from butter_aura import Aura
 from butter_aura import packing, reference
 from butter_aura.cache import AuraCache
 from butter_aura.codebooks import available_bits, codebook

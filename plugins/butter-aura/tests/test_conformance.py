@@ -3,8 +3,10 @@
 import mlx.core as mx
 import pytest
 
-from butter_core import Aura, LayerSpec, parse_kv_cache
+from butter_core import LayerSpec, parse_kv_cache
 from butter_core.testing import SchemeConformance
+
+from butter_aura import Aura
 
 TOLERANCE = {"aura4v2": 0.46, "aura4v4": 0.22, "aura8v4": 0.13, "aura8v8": 0.016, "aura3v2": 0.5}
 """Relative attention error allowed against fp32 attention over the original K/V, per

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from butter_core import Aura, LayerSpec, Window, make_layer_caches
+from butter_core import LayerSpec, Window, make_layer_caches
 from butter_core.kernels import gpu_backend, relative_error
 from butter_core.testing import on_the_cpu  # noqa: F401 - the fixture below
 
+from butter_aura import Aura
 from butter_aura import cpu, packing, reference
 from butter_aura.codec import Codec
 from butter_aura.kernels import ops_for

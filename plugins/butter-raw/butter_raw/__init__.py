@@ -1,8 +1,8 @@
 """butter-raw: the default KV cache, keys and values stored unquantized."""
 
-from butter_core import CacheScheme, Raw, hookimpl
-
+from butter_core.plugin_api import CacheScheme, hookimpl
 from butter_raw.cache import RawCache
+from butter_raw.kind import Raw
 
 _NAMES = {"raw": Raw(), **{f"raw-{dtype}": Raw(dtype) for dtype in ("float16", "bfloat16", "float32")}}
 
@@ -35,3 +35,4 @@ def butter_register_cache_schemes(register):
             kernel_checks=kernel_checks,
         )
     )
+__all__ = ["Raw", "RawCache", "butter_register_cache_schemes", "parse"]

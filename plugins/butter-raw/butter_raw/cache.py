@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core import LayerSpec, Raw
-from butter_core.slots import BufferedSlotCache
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec
+from butter_raw.kind import Raw
 
 
 class RawCache(BufferedSlotCache):

@@ -2,19 +2,19 @@
 
 - ``sdpa_decode``: attention of one query token over the live prefix of a K/V buffer,
   flash-decoding split-K in two kernels: partials per split, then the merge kernel of
-  ``butter_core.kernels.split_k`` (which also supplies the in-kernel merges). On the
-  H200 (bf16, 32/8 heads, D=128, amortised) it ties MLX's
-  ``mx.fast.scaled_dot_product_attention`` at 4k and takes ~1.4x / ~1.65x its time at
-  32k / 128k, where MLX's kernel reads the live slice ``k[:, :, :L]`` at ~4 TB/s
-  without copying it.
+  ``butter_core.kernels.split_k`` (which also supplies the in-kernel merges). It ties
+  MLX's ``mx.fast.scaled_dot_product_attention`` at short contexts and is slower at long
+  ones, where MLX's kernel reads the live slice ``k[:, :, :L]`` without copying it, so
+  the raw cache decodes through MLX's SDPA.
 - ``kv_cache_update``: a K/V buffer with rows written at an offset. An MLX custom
   kernel cannot write into its input, so this kernel copies the whole buffer; MLX's
   slice assignment ``buf[..., a:b, :] = rows`` updates in place when the buffer is
-  donated (~8 µs per one-token append on the H200, against >1 ms for this kernel and
-  ~280 µs for any full copy at 128k). Slice assignment is the append path; keep no
-  other reference to the old buffer (not even a view) or MLX copies it whole.
+  donated, far cheaper than this kernel or any full copy. Slice assignment is the append
+  path; keep no other reference to the old buffer (not even a view) or MLX copies it
+  whole.
 
-``bench/gpu_raw_kernels.py`` measures both. ``KERNEL_CHECKS`` lists both for the
+``bench/gpu_raw_kernels.py`` measures both (docs/benchmarks.md,
+"plugins/butter-raw/butter_raw/kernels.py"). ``KERNEL_CHECKS`` lists both for the
 conformance suite.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from butter_core.kernels import Kernel, KernelCheck, kernel_params, split_k
+from butter_core.plugin_api import Kernel, KernelCheck, kernel_params, split_k
 
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)

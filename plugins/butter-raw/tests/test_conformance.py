@@ -3,8 +3,10 @@
 import mlx.core as mx
 import pytest
 
-from butter_core import LayerSpec, Raw, parse_kv_cache
+from butter_core import LayerSpec, parse_kv_cache
 from butter_core.testing import SchemeConformance
+
+from butter_raw import Raw
 
 # fp32 storage is exact up to summation order where float32 matmuls are float32; fp16/bf16
 # storage rounds each element. MLX's CUDA backend computes float32 matmuls and attention

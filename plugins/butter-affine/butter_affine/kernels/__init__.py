@@ -14,8 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from butter_core.kernels import KernelCheck
-from butter_core.slots import unstack
+from butter_core.plugin_api import KernelCheck, unstack
 
 from butter_affine import codec
 from butter_affine.kernels import decode, decode_mma, dequantize, quantize

@@ -17,13 +17,14 @@ running softmax sums are rescaled only when the running max grows.
 Supported: head_dim 64, 128 or 256; 4, 6 or 8 bits; group sizes 32, 64, 128; float32,
 float16 or bfloat16 queries and scales.
 
-Measured on the H200 (``bench/gpu_affine.py``, docs/benchmarks.md): matches the
-float32 reference to <= 2.3e-4 (bf16); at 128k, 157.6 / 162.6 / 182.9 µs for 4 / 6 /
-8 bits against 134.1 µs for MLX's SDPA on raw bf16: it reads 0.31-0.53x the bytes but
-only at 1.1-1.6 TB/s. It is bound by instructions, not memory: 255 registers per
-thread (q and the accumulators of four query heads) leave 8 warps per multiprocessor,
-and every code costs an unpack plus one FMA per query head for K and again for V.
-Tunables moved it by -4% (TARGET_BLOCKS=264) to +27% (ELEMS=8).
+It matches the float32 reference to <= 2.3e-4 (bf16). It reads fewer bytes than raw
+SDPA but is slower than it at long contexts, and slower than the tensor-core kernel
+(``decode_mma``), which serves 4/6/8-bit codes with float16/bfloat16 queries; this kernel
+serves float32 caches and 6-bit codes at head_dim 64. It is bound by instructions, not
+memory: 255 registers per thread (q and the accumulators of four query heads) leave 8
+warps per multiprocessor, and every code costs an unpack plus one FMA per query head for
+K and again for V. Measurements: docs/benchmarks.md,
+"plugins/butter-affine/butter_affine/kernels/decode.py".
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from butter_core.cache import reference_attention
-from butter_core.kernels import Kernel, kernel_params, split_k
+from butter_core.plugin_api import Kernel, kernel_params, reference_attention, split_k
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS

@@ -37,54 +37,24 @@ rounded to float16 once each; everything else is float32. Dequantized values mus
 float16 (|x| < 65504); scales below 2^-14 (6.1e-5) lose relative precision as float16
 subnormals.
 
-Speed, measured on the H200 (``bench/gpu_affine.py``, MLX 0.32.4, bf16, batch 1, 32/8
-heads, D = 128, amortised over 50 calls, 2026-11-30): at 128k, side by side with MLX's
-SDPA on raw bf16 (9 rounds, each round's ratio; ``gpu_timing.side_by_side``), affine4
-takes 0.505x raw's time (median; rounds 0.493-0.529, 63.4-67.4 µs against 127-131) and
-affine8 0.589x (74-77 µs); five later runs of the same measurement 0.488-0.512x and
-0.581-0.596x; single passes of earlier runs gave 0.47-0.55x and 0.59-0.62x. With the
-length and scale in device memory (``kernel_params``, 2026-12-01; before, every warp read
-them from host memory), two runs in alternating processes gave affine4 0.482x and 0.486x
-against 0.499x and 0.518x before, and affine8 0.575x / 0.574x against 0.588x / 0.606x.
-Chained like a decode step's layers, 0.64-0.66x / 0.70-0.71x. GPU time alone (the
-kernels' own stamps, ``bench/gpu_timeline.py``, 2026-12-02): affine4 0.516-0.524x raw's
-chained and 0.402x independent, against 0.531-0.535x and 0.418x before ``mma_softmax``
-skipped its lanes' max reduction in steps where no maximum grows and transposed Pᵀ by
-``movmatrix`` (alternating processes, docs/benchmarks.md); with ``LONG_KEY_BLOCKS`` from 64k,
-0.479x chained and 0.434x independent. At 4k and 32k it takes
-0.79-1.16x raw SDPA's time (per-call costs dominate there). The float32 ``decode`` takes
-157 µs at 128k. The partials kernel is the whole cost: with the merge kernel left out the
-call takes 63.5 against 63.7 µs (the merge, 6.3 µs alone, overlaps the next call's
-partials). The first defaults took 79.9 µs (affine4) and the first sweep's 73.2;
-read-only loads, two score chains for 8 bits and 264 threadgroups (the tunables below)
-brought it to 63-67.
-
-affine6 (H200, same shapes, side by side with raw SDPA, 2026-11-30): 0.638x raw's time
-at 128k (rounds 0.626-0.700; 82.7 µs) where the float32 kernel takes 1.278x (166.5 µs),
-1.17x at 32k against 1.63x; 160 registers (nvcc 13.0, sm_90a, bf16, 4 heads), no
-spills. Two score chains or one: 0.638x against 0.655x at 128k, 1.168x against 1.115x
-at 32k (within the rounds' spread; two kept, as for 8 bits).
-
-Counted in the sm_90a PTX (nvcc 13.0; 4 bits, 4 heads), a lane spends ~350
-instructions per 16 keys where ``decode`` spends ~850. Registers at the defaults (nvcc
-13.0, sm_90a, bf16, D = 128, 4 heads), no spills: 148 (4 bits) and 167-168 (8 bits), room for
-three threadgroups of 128 threads per multiprocessor (``decode``: 255). L2 prefetch hints
-ahead of each warp's loads were tried and measured 15-30% slower (2026-11-30). A
-one-launch merge (the last threadgroup of each head chunk merging the splits) was tried
-and measured 2-6 µs slower per call on the H200 (2026-11-30), because MLX fills such an
-output with a separate kernel. Loads staged through shared memory instead of registers
-(``cp.async`` into a per-warp ring of 2-4 steps, 125-134 registers, up to 4 threadgroups
-per multiprocessor) passed every check but were no faster (affine4 0.507-0.556x raw
-against 0.512x for these defaults, affine8 0.635-0.812x against 0.590x, side by side,
-2026-11-30; removed in 177b167): more bytes in flight does not help, so the kernel is
-not bound by load latency.
+Speed: on the H200 it is the fastest affine decode path at long contexts, well ahead of
+the float32 ``decode`` kernel (also for 6-bit codes, which is why it takes them); at 4k
+and 32k per-call costs dominate. The partials kernel is the whole cost: the merge
+overlaps the next call's partials. A lane spends well under half of ``decode``'s
+instructions per 16 keys, and the registers at the defaults (no spills) leave room for
+three threadgroups of 128 threads per multiprocessor. Tried and dropped: L2 prefetch
+hints ahead of each warp's loads (slower), a one-launch merge (slower: MLX fills such an
+output with a separate kernel first), and loads staged through shared memory
+(``cp.async``; no faster: more bytes in flight does not help, so the kernel is not bound
+by load latency). Measurements: docs/benchmarks.md,
+"plugins/butter-affine/butter_affine/kernels/decode_mma.py".
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, kernel_params, mma, split_k
+from butter_core.plugin_api import Kernel, kernel_params, mma, split_k
 
 from butter_affine.kernels.codes import CODE_HELPERS, MMA_CODE_HELPERS
 from butter_affine.kernels.decode import _check_args, decode_attention_reference, make_inputs
@@ -100,14 +70,11 @@ KEY_BLOCKS = 2
 """Blocks of 16 keys a warp takes per step of its loop (but see ``LONG_KEY_BLOCKS``)."""
 LONG_KEY_BLOCKS = {4: 3}
 """``KEY_BLOCKS`` by code bits where each warp walks at least ``LONG_RUN`` keys: fewer,
-longer steps (one softmax step per 48 keys) for 170 registers instead of 147 (4 bits,
-nvcc 13.0, sm_90a). H200, GPU time by the kernels' own stamps, ratio to raw SDPA, 3 rounds
-(2026-12-02): affine4 chained, as a decode step's layers run, 0.499x against 0.518x at 64k,
-0.474x / 0.488x against 0.514x / 0.527x at 128k (two runs), 0.470x against 0.515x at 256k,
-equal at 32k (0.553x / 0.547x); independent calls, which overlap on the GPU, lose (128k
-0.440x against 0.401x; 32k 0.547x against 0.479x), so short runs keep two blocks.
-affine8 with three blocks (238 registers) was slower in both modes (128k chained 0.623x
-against 0.593x)."""
+longer steps (one softmax step per 48 keys) for more registers. On long runs three blocks
+speed up chained calls, as a decode step's layers run; independent calls, which overlap
+on the GPU, lose, so short runs keep two blocks. affine8 with three blocks was slower in
+both modes (measurements: docs/benchmarks.md,
+"plugins/butter-affine/butter_affine/kernels/decode_mma.py")."""
 LONG_RUN = 384
 """Keys per warp (planned keys / splits / ``WARPS``) from which ``LONG_KEY_BLOCKS`` apply:
 64k and longer contexts at the default launch on an H200 (496 at 64k, 248 at 32k)."""
@@ -117,23 +84,22 @@ are always loaded at the top of the step, ahead of its score product); without i
 at the top of the step."""
 READ_ONLY_LOADS = True
 """Load codes, scales and biases through the read-only data path (``bt_read``: CUDA's
-``ld.global.nc``). H200, 128k, two runs: affine4 67.2 / 65.5 µs against 77.0 / 71.3
-with plain loads."""
+``ld.global.nc``): faster than plain loads (measurements: docs/benchmarks.md,
+"plugins/butter-affine/butter_affine/kernels/decode_mma.py")."""
 SCORE_CHAINS = {4: 1, 6: 2, 8: 2}
 """Accumulators per score product, by code bits: 2 sums even and odd k16 steps apart
 (then adds them), halving the chain of dependent tensor-core instructions for 4 more
-registers per block. H200, 128k, with read-only loads, two runs: affine8 80.4 / 78.2 µs
-with 2 against 87.0 / 86.0 with 1; affine4 68.7 / 67.9 with 2 against 67.2 / 65.5."""
+registers per block: faster for 8-bit codes, not for 4-bit; 6-bit codes keep two, as 8
+(measurements: docs/benchmarks.md,
+"plugins/butter-affine/butter_affine/kernels/decode_mma.py")."""
 MIN_KEYS_PER_SPLIT = 64
 TARGET_BLOCKS = 264
 """Threadgroups the split count aims at (H200: 132 multiprocessors, 2 per multiprocessor
 although registers allow 3; ``split_k.plan`` keeps 2 per multiprocessor on other GPUs).
-The sweeps of 2026-11-30 first picked 396 ahead of 528 and 1584; with the read-only loads, 264 was as fast or faster in every run (128k, affine4
-64.1 against 67.5 µs, affine8 77.9 against 78.4; before them 68.8 / 70.9 against
-77.0 / 71.3 and 83.0 against 88.3). A later side-by-side run (affine4, 128k, ratio to raw
-SDPA): 264 0.499x, 396 0.505x, 132 0.497x — one threadgroup per multiprocessor is as fast,
-so occupancy is not what limits this kernel, nor its pattern of reads: the same reads
-alone take 43 µs (``bench/gpu_read_streams.py``; docs/benchmarks.md)."""
+With the read-only loads, 264 was as fast as or faster than 396, 528 and 1584 in every
+sweep, and one threadgroup per multiprocessor is as fast as two: occupancy is not what
+limits this kernel (measurements: docs/benchmarks.md,
+"plugins/butter-affine/butter_affine/kernels/decode_mma.py")."""
 
 _PARTIALS = Kernel(
     name="butter_affine_decode_mma_partials",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, kernel_params
+from butter_core.plugin_api import Kernel, kernel_params
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import types
 
-from butter_core.cache import LayerSpec
-from butter_core.kernels import default_device_is_gpu
+from butter_core.plugin_api import LayerSpec, default_device_is_gpu
 
 from butter_aura import cpu
 from butter_aura.kernels import attention, dequantize, encode

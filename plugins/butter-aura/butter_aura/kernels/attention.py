@@ -41,8 +41,7 @@ from collections.abc import Callable
 import attrs
 import mlx.core as mx
 
-from butter_core.compiled import compile_by_shape
-from butter_core.kernels import Kernel, gpu_backend, kernel_params, split_k, tensor_cores_available
+from butter_core.plugin_api import Kernel, compile_by_shape, gpu_backend, kernel_params, split_k, tensor_cores_available
 
 from butter_aura.codec import Codec
 from butter_aura.kernels import attention_mma

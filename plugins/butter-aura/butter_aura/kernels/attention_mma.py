@@ -48,31 +48,30 @@ float16 inputs, float32 sums), in the transposed layout of ``butter_core.kernels
   lane's copy word (``aura_lut_address``). Where the launch can leave room for it
   without losing a threadgroup per multiprocessor (``aligned_tables``: twelve warps on
   an H200 or an A100) the tables start at a 64 KB boundary of the shared window, whose
-  bits 16-31 ride in the copy word, so the permute is the whole address; otherwise the
-  tables' address is added to it (H200, 128k, chained, 2026-12-02: aura4v2 0.394x raw
-  SDPA's GPU time aligned against 0.413x, aura4v4 0.457x against 0.476x). Built once per
-  threadgroup from the codebooks (16-byte stores).
+  bits 16-31 ride in the copy word, so the permute is the whole address (faster);
+  otherwise the tables' address is added to it. Built once per threadgroup from the
+  codebooks (16-byte stores).
 
 A warp takes ``BLOCKS`` blocks per step (default 2: more loads in flight, one softmax
 reduction per 32 keys); the next step's key codes, scales and value codes are loaded as
 soon as the scores are done, the value codes into a second buffer (``AHEAD``, see
 ``default_ahead``; without it they wait until the values are done, and a step with little
-work waits on two load latencies: H200, 128k, side by side, aura4v2 0.586x raw SDPA's time
-against 0.629x, chained 0.727x against 0.754x; ``bench/gpu_aura.py --sections ahead``).
-Two steps ahead, each warp's lanes fetch that step's lines into L2 (``PREFETCH``), so
-the loads a step ahead wait on L2, not on memory. Nothing that a step loads is used in
-that step: the scales stay float16 until the next step converts them (a conversion next
-to the loads made the warp wait out the memory latency there every step: H200, 128k,
-alternating processes, aura4v2 0.381-0.384x raw SDPA's GPU time chained before, 0.340-0.343x after), and the loop takes two steps an
-iteration, the two buffers trading roles, so no copy from one to the other waits on
-loads either (the register allocator had put that copy at the loop's end: 47.7-47.8 µs
-a chained call against 48.2, partials 40.9-41.1 against 41.5-41.6). Full-precision slots (sinks,
-the recent ring) are skipped as in the SIMT kernel: a step wholly inside ``[sinks,
-end)`` and outside the ring's slot range takes no per-key test. After the loop each
-warp's state goes to shared memory (over the tables) and ``mma_write_partials`` merges
-the warps and writes the split's partials. The split count fills the GPU with one wave
-of threadgroups (``num_splits``), counted from the device's multiprocessors, shared memory
-and registers (``butter_core.kernels.backend.gpu_shape``).
+work waits on two load latencies). Two steps ahead, each warp's lanes fetch that step's
+lines into L2 (``PREFETCH``), so the loads a step ahead wait on L2, not on memory.
+Nothing that a step loads is used in that step: the scales stay float16 until the next
+step converts them (a conversion next to the loads made the warp wait out the memory
+latency there every step), and the loop takes two steps an iteration, the two buffers
+trading roles, so no copy from one to the other waits on loads either (the register
+allocator had put that copy at the loop's end). Full-precision slots (sinks, the recent
+ring) are skipped as in the SIMT kernel: a step wholly inside ``[sinks, end)`` and
+outside the ring's slot range takes no per-key test. After the loop each warp's state
+goes to shared memory (over the tables) and ``mma_write_partials`` merges the warps and
+writes the split's partials. The split count fills the GPU with one wave of threadgroups
+(``num_splits``), counted from the device's multiprocessors, shared memory and registers
+(``butter_core.kernels.backend.gpu_shape``). Measurements behind these choices (the
+tables' alignment, ``AHEAD``, where the scales are converted, the two-step loop, and the
+constants below): docs/benchmarks.md,
+"plugins/butter-aura/butter_aura/kernels/attention_mma.py".
 
 Precision: levels, query and P' are rounded to float16 once each (relative 2^-11) and
 every product is summed in float32; exponentials use the hardware's ``ex2.approx``.
@@ -86,8 +85,7 @@ import functools
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, mma, split_k
-from butter_core.kernels.backend import GpuShape, gpu_shape
+from butter_core.plugin_api import GpuShape, Kernel, gpu_shape, mma, split_k
 
 from butter_aura.kernels.source import HELPERS
 
@@ -102,27 +100,24 @@ WARPS = 12
 """Warps per threadgroup (each takes its own steps of ``BLOCKS`` * 16 keys): twelve, one
 threadgroup per multiprocessor (registers allow no more: 168 x 384 threads), so each
 multiprocessor builds the 64 KB of tables once instead of three times and a call has a
-third of the splits to merge. H200, aura4v2, chained calls, GPU time by the kernels' own
-stamps, ratio to raw SDPA (2026-12-02, 3 rounds): 0.422x against 0.431x for four warps
-at 128k, 0.555x against 0.627x at 32k, 0.662x against 0.731x at 4k; 128k aura4v4 0.487x
-against 0.496x, aura8v4 and aura8v8 unchanged (0.651x / 0.781x). Eight warps (one
-threadgroup per multiprocessor) 0.496x at 128k."""
+third of the splits to merge: faster than four warps for the 4-bit-key schemes (and than
+eight, for aura4v2), the same for the 8-bit ones (measurements: docs/benchmarks.md,
+"plugins/butter-aura/butter_aura/kernels/attention_mma.py")."""
 BLOCKS = 2
 """16-key blocks a warp takes per step: more loads in flight, one softmax reduction per step
 (``default_blocks``: 1 where 2 would need more than 168 registers, the most that leave one
 twelve-warp or three four-warp threadgroups per multiprocessor)."""
 READ_ONLY_LOADS = True
 """Load codes and scales through the read-only data path (``bt_read``: CUDA's
-``ld.global.nc``). H200, 128k, paired in one run (2026-11-30): aura4v2 87.5 / 85.6 /
-93.4 / 96.4 µs against 90.6 / 96.1 / 95.9 / 99.7 with plain loads, aura4v4 97.2 / 88.1
-against 104.2 / 91.1; aura8v8 mixed (139.8 / 123.9 against 125.8 / 130.3)."""
+``ld.global.nc``): faster for aura4v2 and aura4v4, mixed for aura8v8 (measurements:
+docs/benchmarks.md, "plugins/butter-aura/butter_aura/kernels/attention_mma.py")."""
 PREFETCH = 2
 """Steps ahead whose codes and scales each warp fetches into L2 (``prefetch.global.L2``, no
-registers held), so that its loads a step ahead find them there; 0 or 1: none. H200, 128k,
-GPU time by the kernels' stamps, chained calls, both in one process (2026-12-02, 3-4
-rounds): aura4v2 45.7-45.8 µs at 2 against 47.1-47.3 at 0 (3: 46.1, 4: 46.9, 6: 52.0),
-independent 39.0-39.1 against 40.1-40.3; aura4v4 54.3 against 54.8; aura8v4 (no second
-value buffer) 73.3 against 79.0; aura8v8 (one block a step) 90.9 against 90.5."""
+registers held), so that its loads a step ahead find them there; 0 or 1: none. Two is
+the fastest distance measured; farther ahead the lines are evicted or contend before
+they are read. aura8v4 (no second value buffer) gains most, aura8v8 (one block a step)
+nothing (measurements: docs/benchmarks.md,
+"plugins/butter-aura/butter_aura/kernels/attention_mma.py")."""
 LUT_BYTES = 256 * 256
 """The look-up tables: 256 entries of 256 bytes (32 copies of the key table's 4 bytes, 32
 copies of the value table's 4 bytes or 16 of its 8 bytes)."""
@@ -131,14 +126,13 @@ MAX_HEADS_PER_BLOCK = 8
 MIN_KEYS_PER_SPLIT = 384
 """Keys per split at least: one twelve-warp step (12 x 32 keys), so in the short splits
 of a short context no warp is left without keys. Chosen on *chained* calls (each call's
-query the previous call's output), as a decode step's layers run. H200, aura4v2, GPU
-time by the kernels' own stamps, 3 rounds (2026-12-02): chained 4k 15.9 µs against 16.0
-with 256 (128: 16.0, 512: 16.9, 768: 17.1), independent 8.2 against 10.3; at 32k and
-128k every value from 128 to 768 took the same (25.2 and 53.1-53.3 µs chained). Each
-threadgroup first builds 64 KB of look-up tables, so among independent calls, which
-overlap on the GPU, long splits are cheaper (768: 6.0 µs at 4k), but a chained call at
-4k with 2048 keys per split (the default until 2026-12-01) ran 16 threadgroups and took
-1.9-2.0x raw SDPA's chained time. At 128k the one-wave cap decides the split count."""
+query the previous call's output), as a decode step's layers run. Each threadgroup first
+builds 64 KB of look-up tables, so among independent calls, which overlap on the GPU,
+long splits are cheaper, but chained calls at short contexts want the threadgroups that
+short splits give (2048 keys per split, the default until 2026-12-01, left a chained 4k
+call far slower than raw SDPA). At 32k and longer the value matters little; at 128k the
+one-wave cap decides the split count (measurements: docs/benchmarks.md,
+"plugins/butter-aura/butter_aura/kernels/attention_mma.py")."""
 REGISTERS = 168
 """Registers per thread the launch is planned with: nvcc reports 128-168 for these builds."""
 RESERVED_SHARED = 1024

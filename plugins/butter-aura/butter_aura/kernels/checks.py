@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import KernelCheck
+from butter_core.plugin_api import KernelCheck
 
 from butter_aura import reference
 from butter_aura.codec import SCALE_DTYPE, Codec

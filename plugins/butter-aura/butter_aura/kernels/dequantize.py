@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel, kernel_params
+from butter_core.plugin_api import Kernel, kernel_params
 
 from butter_aura.kernels.source import HELPERS
 from butter_aura.stored import StoredLayer

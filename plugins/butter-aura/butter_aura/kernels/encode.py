@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.kernels import Kernel
-from butter_core.slots import unstack
+from butter_core.plugin_api import Kernel, unstack
 
 from butter_aura.codec import SCALE_DTYPE, Codec
 from butter_aura.kernels.source import HELPERS
