@@ -51,7 +51,7 @@ def filled(name: str, context: int):
 
 
 def mx_dequantize_sdpa(cache, q, scale):
-    live = {name: array[:, :, : cache.length] for name, array in cache.slots.arrays.items()}
+    live = {name: array[:, :, : cache.length] for name, array in cache.slots.read().items()}
     group, bits = cache.format.group_size, cache.format.bits
     keys = mx.dequantize(live["key_codes"], live["key_scales"], live["key_biases"], group_size=group, bits=bits)
     values = mx.dequantize(live["value_codes"], live["value_scales"], live["value_biases"], group_size=group, bits=bits)

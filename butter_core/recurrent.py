@@ -168,8 +168,11 @@ Mixer = Mamba2Mixer | GatedDeltaMixer
 
 
 def silu(x: mx.array) -> mx.array:
-    """``x · sigmoid(x)``, the activation after both mixers' convolutions."""
-    return x * mx.sigmoid(x)
+    """``x · sigmoid(x)``, the activation after both mixers' convolutions, computed in float32 and
+    rounded once to ``x``'s dtype (as torch computes it for 16-bit tensors; MLX's own ``sigmoid``
+    on a 16-bit array rounds midway, differently on the CPU and on each GPU backend)."""
+    wide = x.astype(mx.float32)
+    return (wide * mx.sigmoid(wide)).astype(x.dtype)
 
 
 class StateCache(LayerCache):

@@ -45,7 +45,7 @@ class SlotBuffers:
     is a graph node and a kernel launch per token and layer, so a decode step that writes
     six buffers pays for six where a stacked layout pays for two (measurements:
     docs/benchmarks.md, "butter_core/slots.py"). A stacked buffer is a view of its stack:
-    take views afresh after each write (``arrays``, ``read``), since a view kept alive
+    take views afresh after each write (``read``), since a view kept alive
     keeps the stack from being updated in place.
     """
 
@@ -76,22 +76,6 @@ class SlotBuffers:
     def allocated(self) -> int:
         """Slots allocated now (0 before the first write)."""
         return next(iter(self._storage.values())).shape[-2] if self._storage else 0
-
-    @property
-    def arrays(self) -> dict[str, mx.array]:
-        """Every buffer by name, all allocated slots (empty before the first write)."""
-        return unstack(self._storage, self.stacks)
-
-    def storage(self) -> list[mx.array]:
-        """The arrays that hold the buffers (one per stack, one per unstacked buffer)."""
-        return list(self._storage.values())
-
-    @property
-    def stacked_arrays(self) -> dict[str, mx.array]:
-        """The same arrays by key: each stack whole (``[n, batch, heads, slots, width]``) under
-        its name, each unstacked buffer under its own; all allocated slots. What ``arrays``
-        takes its views of: a kernel that reads a stack whole takes one input, not several."""
-        return dict(self._storage)
 
     def _storage_layout(self) -> dict[str, tuple[tuple[int, ...], int, mx.Dtype]]:
         """Storage key -> (leading stack axis or (), row width, dtype)."""
@@ -143,11 +127,16 @@ class SlotBuffers:
             else:
                 self._storage[key][..., start : start + tokens, :] = array.astype(self.layout[key][1])
 
-    def read(self, length: int) -> dict[str, mx.array]:
-        """Views of slots ``[0, length)`` of every buffer."""
-        if length == 0 or not self._storage:
-            return unstack(self._empty(0), self.stacks)
-        return unstack(self._storage, self.stacks, length)
+    def read(self, length: int | None = None, *, stacked: bool = False) -> dict[str, mx.array]:
+        """Views of slots ``[0, length)`` (None: every allocated slot, the shape a traced kernel
+        keeps between writes) of every buffer by name; with ``stacked``, of the arrays that
+        hold them, by key: each stack whole (``[n, batch, heads, slots, width]``) under its
+        name, each unstacked buffer under its own — a kernel reading a stack takes one input,
+        not several. Before the first write, arrays of no slots."""
+        storage = self._storage if self._storage and length != 0 else self._empty(0)
+        if stacked:
+            return {key: a if length is None else a[..., :length, :] for key, a in storage.items()}
+        return unstack(storage, self.stacks, length if storage is self._storage else None)
 
     def clear(self) -> None:
         """Release every buffer."""
@@ -202,7 +191,7 @@ class BufferedSlotCache(SlotCache):
             self.slots.write(0, {name: array[:, :, :length] for name, array in arrays.items()}, live=0)
 
     def buffers(self):
-        return self.slots.storage()
+        return list(self.slots.read(stacked=True).values()) if self.slots.allocated else []
 
     @property
     def bytes_per_slot(self):

@@ -27,8 +27,8 @@ def stacked(named: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def assert_same(x: SlotBuffers, y: SlotBuffers, length: int) -> None:
     for view in ("arrays", "read"):
-        ours = x.arrays if view == "arrays" else x.read(length)
-        theirs = y.arrays if view == "arrays" else y.read(length)
+        ours = x.read() if view == "arrays" else x.read(length)
+        theirs = y.read() if view == "arrays" else y.read(length)
         assert sorted(ours) == sorted(LAYOUT)
         for name in LAYOUT:
             assert ours[name].shape == theirs[name].shape, (view, name)
@@ -47,11 +47,11 @@ def test_stacks_hold_what_separate_buffers_hold(per_stack):
         plain.write(start, new, live=length)
         stack.write(start, stacked(new) if per_stack else new, live=length)
         length = max(length, start + tokens)
-        mx.eval(plain.storage(), stack.storage())
+        mx.eval(list(plain.read(stacked=True).values()), list(stack.read(stacked=True).values()))
         assert_same(stack, plain, length)
     assert stack.allocated == plain.allocated == 512
-    assert len(stack.storage()) == 3 and len(plain.storage()) == 5
-    assert sum(a.nbytes for a in stack.storage()) == sum(a.nbytes for a in plain.storage())
+    assert len(list(stack.read(stacked=True).values())) == 3 and len(list(plain.read(stacked=True).values())) == 5
+    assert sum(a.nbytes for a in list(stack.read(stacked=True).values())) == sum(a.nbytes for a in list(plain.read(stacked=True).values()))
 
 
 def test_stacked_buffers_are_views():
@@ -60,12 +60,12 @@ def test_stacked_buffers_are_views():
     layout = {"a": (32, mx.uint32), "b": (32, mx.uint32)}
     buffers = SlotBuffers(spec, spec.max_positions, layout, stacks={"ab": ("a", "b")})
     buffers.write(0, {"ab": mx.ones((2, 1, 8, 1 << 16, 32), mx.uint32)}, live=0)
-    mx.eval(buffers.storage())
+    mx.eval(list(buffers.read(stacked=True).values()))
     gc.collect()
-    stack_bytes = buffers.storage()[0].nbytes
+    stack_bytes = list(buffers.read(stacked=True).values())[0].nbytes
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    views = [*buffers.arrays.values(), *buffers.read(1000).values()]
+    views = [*buffers.read().values(), *buffers.read(1000).values()]
     mx.eval(views)
     assert mx.get_peak_memory() - before < stack_bytes // 100
 

@@ -106,13 +106,21 @@ class Mamba2Layer(nn.Module):
         self.out_proj = nn.Linear(s.inner, s.hidden_size, bias=s.use_bias)
 
     def mixer(self) -> Mamba2Mixer:
-        """This layer's parameters as the cache update takes them."""
-        s = self.shape
-        return Mamba2Mixer(
-            self.conv1d.weight[:, 0], self.conv1d.get("bias"), self.dt_bias, -mx.exp(self.A_log.astype(mx.float32)),
-            self.D, heads=s.num_heads, head_dim=s.head_dim, groups=s.n_groups, state_size=s.state_size,
-            dt_limit=s.time_step_limit, chunk_size=min(s.chunk_size, 64),
-        )  # fmt: skip
+        """This layer's parameters as the cache update takes them, made once per set of weights
+        (a decode step would otherwise add ``-exp(A_log)`` and a slice to every layer's graph)."""
+        weights = (self.conv1d.weight, self.conv1d.get("bias"), self.dt_bias, self.A_log, self.D)
+        memo = self.__dict__.get("_memo")
+        if memo is None or any(a is not b for a, b in zip(memo[0], weights)):
+            s = self.shape
+            mixer = Mamba2Mixer(
+                self.conv1d.weight[:, 0], self.conv1d.get("bias"), self.dt_bias,
+                -mx.exp(self.A_log.astype(mx.float32)), self.D, heads=s.num_heads, head_dim=s.head_dim,
+                groups=s.n_groups, state_size=s.state_size, dt_limit=s.time_step_limit,
+                chunk_size=min(s.chunk_size, 64),
+            )  # fmt: skip
+            mx.eval(mixer.conv_weight, mixer.A)
+            memo = self.__dict__["_memo"] = (weights, mixer)
+        return memo[1]
 
     def __call__(self, x: mx.array, cache: StateCache | None) -> mx.array:
         s = self.shape

@@ -39,15 +39,15 @@ class AffineCache(BufferedSlotCache):
         self.slots.write(start, rows, live=self.length)
 
     def load(self, length):
-        if length == 0 or not self.slots.arrays:
+        if length == 0 or not self.slots.allocated:
             s = self.spec
             empty = mx.zeros((s.batch_size, s.n_kv_heads, 0, s.head_dim), s.dtype)
             return empty, empty
-        return self.ops.dequantize(self.slots.arrays, length)
+        return self.ops.dequantize(self.slots.read(), length)
 
     def attention(self, queries, *, scale: float, mask: Mask):
         if queries.shape[2] == 1 and mask is None and self.ops.decode is not None:
-            return self.ops.decode(queries, self.slots.stacked_arrays, self.length, scale).astype(queries.dtype)
+            return self.ops.decode(queries, self.slots.read(stacked=True), self.length, scale).astype(queries.dtype)
         out = super().attention(queries, scale=scale, mask=mask)
         if self.pipeline is not None and queries.shape[2] > 1:
             self.pipeline.submit(out)

@@ -73,7 +73,7 @@ class AffineOps:
     (``packing.STACKS``);
     ``dequantize(buffers, length)`` -> live keys and values, from the buffers by name;
     ``decode(queries, stacks, length, scale)`` -> single-token attention, from the two
-    stacks (``SlotBuffers.stacked_arrays``), or None to dequantize and use SDPA. Both get
+    stacks (``SlotBuffers.read(stacked=True)``), or None to dequantize and use SDPA. Both get
     the cache's whole arrays; no function needs a slice of them."""
 
     name: str

@@ -42,7 +42,7 @@ def test_overwritten_slots_hold_only_the_new_rows(name, dtype, chunks):
         start += tokens
     # positions 8..13 went to ring slots 2..7, replacing positions 2..7
     expected = unstack(cache.inner.ops.quantize(new_k, new_v), STACKS)
-    stored = cache.inner.slots.arrays
+    stored = cache.inner.slots.read()
     for name_ in BUFFERS:
         assert mx.array_equal(stored[name_][:, :, 2:8], expected[name_]).item(), name_
     keys, _ = cache.prepare_for_attention()
@@ -57,7 +57,7 @@ def test_rewrite_after_trim_requantizes():
     new = rows(spec, 4, 0.1, seed=2)
     cache.append(*new)
     expected = unstack(cache.ops.quantize(*new), STACKS)
-    assert all(mx.array_equal(cache.slots.arrays[n][:, :, 6:10], expected[n]).item() for n in BUFFERS)
+    assert all(mx.array_equal(cache.slots.read()[n][:, :, 6:10], expected[n]).item() for n in BUFFERS)
 
 
 def test_cpu_paths():

@@ -182,7 +182,7 @@ class AuraCache(BufferedSlotCache):
     def stored(self, length: int | None = None) -> StoredLayer:
         """What attention reads: the coded slots ``[0, length)`` (default: all live) and the full-precision rows."""
         length = self.length if length is None else length
-        slots = self.slots.arrays or self.slots.read(0)
+        slots = self.slots.read()
         return StoredLayer(
             key_codes=slots["key_codes"],
             key_scales=slots["key_scales"],

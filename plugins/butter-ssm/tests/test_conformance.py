@@ -9,13 +9,16 @@ from butter_core.testing import RecurrentConformance
 from butter_ssm import SSM
 
 FLOAT32_MATMULS_ROUND = mx.cuda.is_available() and mx.default_device() == mx.gpu
-TOLERANCE = {"float32": 1e-3 if FLOAT32_MATMULS_ROUND else 2e-5, "float16": 4e-3, "bfloat16": 2e-2}
-"""Outputs against the float32 recompute over the whole history. A float32 model with a float32
-state differs by rounding only (chunked against token-by-token scans: 1e-6 measured); 16-bit
-models round each output once (and the convolution's kept inputs once)."""
-STATE_ROUNDING = {"float32": 0.0, "bfloat16": 3e-2, "float16": 4e-3, "model": None}
-"""What keeping the state itself in 16 bits adds (rounded once per token, so it accumulates):
-measured in docs/benchmarks.md, bounded here for the suite's sequences of up to 120 tokens."""
+TOLERANCE = {"float32": 1e-3 if FLOAT32_MATMULS_ROUND else 2e-5, "float16": 6e-3, "bfloat16": 6e-2}
+"""Outputs against the float32 recompute over the whole history, by model dtype. The worst of 40
+random sequences of up to 120 tokens per layer type (the state machine's shape; 2-core CPU,
+2026-12-04): float32 4.4e-7; float16 2.2e-3; bfloat16 2.8e-2 — a 16-bit model rounds the
+convolution's output and its activation to 16 bits before the scan, as transformers does, and
+the float32 reference does not."""
+STATE_ROUNDING = {"float32": 0.0, "bfloat16": 2e-2, "float16": 4e-3}
+"""What keeping the state itself in 16 bits adds (rounded once per token): ssm-bfloat16 in a
+float32 model measured 3.8e-3 (mamba2) and 7.2e-3 (gated delta) at worst over the same sequences;
+docs/benchmarks.md measures it over 8k tokens."""
 
 
 class TestSSMConformance(RecurrentConformance):
