@@ -56,9 +56,11 @@ PLOT_INSTALL = "pip install 'butter-core[plot]'"
 BENCH_KEYS: dict[str, str] = {
     "scheme": "the scheme as a CLI string (raw, affine8, ...)",
     "context": "prompt tokens N",
-    "kv_bytes_allocated": "bytes the caches of all layers hold at the end of the run (N + decode_tokens "
-    "positions), growth slack included",
-    "kv_bytes_live": "bytes that encode the live positions, all layers",
+    "kv_bytes_allocated": "bytes the caches of all attention layers hold at the end of the run (N + "
+    "decode_tokens positions), growth slack included",
+    "kv_bytes_live": "bytes that encode the live positions, all attention layers",
+    "state_bytes": "bytes the recurrent layers' caches hold (convolution inputs and state; constant in N; 0 "
+    "without recurrent layers)",
     "bytes_per_token": "kv_bytes_live / positions held (N + decode_tokens)",
     "bytes_ratio_vs_raw": "bytes_per_token / raw's bytes_per_token at the same context (null without butter-raw)",
     "peak_memory_bytes": "MLX peak memory over a run (reset before it; the largest over --repeats): weights, "
@@ -88,6 +90,7 @@ class BenchResult:
     context: int
     kv_bytes_allocated: int
     kv_bytes_live: int
+    state_bytes: int
     bytes_per_token: float
     bytes_ratio_vs_raw: float | None
     peak_memory_bytes: int
@@ -217,6 +220,7 @@ def summarize(kind: CacheKind, context: int, runs: Sequence[tuple[GenerationStat
         context=context,
         kv_bytes_allocated=stats.kv_bytes_allocated,
         kv_bytes_live=stats.kv_bytes_live,
+        state_bytes=stats.state_bytes,
         bytes_per_token=stats.kv_bytes_live / positions,
         bytes_ratio_vs_raw=None,
         peak_memory_bytes=max(s.peak_memory for s, _ in runs),
@@ -273,14 +277,14 @@ def run_bench(
 def format_bench_table(results: Sequence[BenchResult]) -> str:
     """A Markdown table of ``results``, one row per scheme and context."""
     lines = [
-        "| scheme | context | KV allocated | KV live | bytes/token | vs raw | peak memory | prefill tok/s | decode tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| scheme | context | KV allocated | KV live | state | bytes/token | vs raw | peak memory | prefill tok/s | decode tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         ratio = "—" if r.bytes_ratio_vs_raw is None else f"{r.bytes_ratio_vs_raw:.3f}"
         lines.append(
             f"| {r.scheme} | {r.context} | {format_bytes(r.kv_bytes_allocated)} | {format_bytes(r.kv_bytes_live)} | "
-            f"{r.bytes_per_token:,.0f} | {ratio} | {format_bytes(r.peak_memory_bytes)} | "
+            f"{format_bytes(r.state_bytes)} | {r.bytes_per_token:,.0f} | {ratio} | {format_bytes(r.peak_memory_bytes)} | "
             f"{r.prefill_tok_s:.1f} | {r.decode_tok_s:.2f} |"
         )
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from typing import Literal
 import attrs
 import mlx.core as mx
 
-from butter_core.cache import LayerCache
+from butter_core.cache import AttentionCache, LayerCache
 from butter_core.engine import Engine, TokenIds
 from butter_core.errors import ConfigError
 from butter_core.sampling import GREEDY, Sampler
@@ -41,6 +41,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     kv_bytes_allocated: int = 0
     kv_bytes_live: int = 0
+    state_bytes: int = 0
+    """Recurrent layers' caches (convolution inputs and state): constant in the context length."""
     peak_memory: int = 0
     finish_reason: Literal["stop", "length"] | None = None
 
@@ -60,7 +62,8 @@ class GenerationStats:
             f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
             f"decode: {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s | "
             f"KV: {format_bytes(self.kv_bytes_allocated)} allocated, {format_bytes(self.kv_bytes_live)} live | "
-            f"peak memory: {format_bytes(self.peak_memory)}"
+            + (f"state: {format_bytes(self.state_bytes)} | " if self.state_bytes else "")
+            + f"peak memory: {format_bytes(self.peak_memory)}"
         )
 
 
@@ -124,6 +127,8 @@ class Generation:
             stats.finish_reason = "length"
         finally:
             mx.eval(pending)
-            stats.kv_bytes_allocated = sum(cache.nbytes_allocated for cache in self.caches)
-            stats.kv_bytes_live = sum(cache.nbytes_live for cache in self.caches)
+            attention = [cache for cache in self.caches if isinstance(cache, AttentionCache)]
+            stats.kv_bytes_allocated = sum(cache.nbytes_allocated for cache in attention)
+            stats.kv_bytes_live = sum(cache.nbytes_live for cache in attention)
+            stats.state_bytes = sum(c.nbytes_allocated for c in self.caches if not isinstance(c, AttentionCache))
             stats.peak_memory = mx.get_peak_memory()

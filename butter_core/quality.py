@@ -30,7 +30,7 @@ import attrs
 import mlx.core as mx
 
 from butter_core.benchmark import baseline, check_positions, engine_for
-from butter_core.cache import LayerCache
+from butter_core.cache import AttentionCache, LayerCache
 from butter_core.config import CacheKind
 from butter_core.engine import Engine
 from butter_core.errors import ConfigError
@@ -172,9 +172,11 @@ class _Totals:
 
 
 def bits_per_element(caches: Sequence[LayerCache]) -> float:
-    """8 * live KV bytes / stored K and V elements, over every layer."""
-    elements = sum(2 * c.length * c.spec.batch_size * c.spec.n_kv_heads * c.spec.head_dim for c in caches)
-    return 8 * sum(c.nbytes_live for c in caches) / elements
+    """8 * live KV bytes / stored K and V elements, over every attention layer (a recurrent
+    layer's state is not a K/V element: its bytes do not depend on the scheme under test)."""
+    attention = [c for c in caches if isinstance(c, AttentionCache)]
+    elements = sum(2 * c.length * c.spec.batch_size * c.spec.n_kv_heads * c.spec.head_dim for c in attention)
+    return 8 * sum(c.nbytes_live for c in attention) / elements
 
 
 def teacher_forced_scores(

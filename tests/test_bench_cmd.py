@@ -14,7 +14,7 @@ from butter_core.testing.tiny_models import TinySpec
 pytestmark = pytest.mark.usefixtures("raw_scheme")
 
 EXPECTED_KEYS = [
-    "scheme", "context", "kv_bytes_allocated", "kv_bytes_live", "bytes_per_token",
+    "scheme", "context", "kv_bytes_allocated", "kv_bytes_live", "state_bytes", "bytes_per_token",
     "bytes_ratio_vs_raw", "peak_memory_bytes", "prefill_tok_s", "decode_tok_s",
 ]  # fmt: skip
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # the tiny qwen3 model

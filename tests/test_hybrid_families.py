@@ -12,6 +12,7 @@ equals one shot, a snapshot rewinds exactly.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -19,16 +20,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from butter_core import LoadOptions
-from butter_core.engine import Engine
+from butter_core import ConfigError, LayerSpec, LoadOptions, Window
+from butter_core.cache import ATTENTION
+from butter_core.cli import main
+from butter_core.engine import Engine, cache_windows
 from butter_core.loading.weights import WeightOptions, load_network
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
+from butter_core.recurrent import StateCache
 from butter_core.testing.tiny_models import write_tokenizer
+from butter_core.window import WindowCache
 
 DATA = Path(__file__).parent / "data" / "hybrid"
 FAMILIES = [
     "mamba2",
+    "qwen3_next",
+    "granitemoehybrid",
 ]
 LAYOUTS = ["hf", "mlx", "mlx-q4"]
 TOLERANCE = 1e-4
@@ -137,3 +144,89 @@ def test_generates_through_model_load(family_model, family):
     assert len(tokens) == 8
     state_bytes = {cache.nbytes_allocated for cache in model.engine.make_layer_caches() if cache.capacity is None}
     assert state_bytes and 0 not in state_bytes
+
+
+HYBRIDS = [family for family in FAMILIES if family != "mamba2"]
+ATTENTION_SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items() if ATTENTION in r.scheme.layer_types)
+
+
+def _kind_for(scheme: str, head_dim: int):
+    """The scheme's first example that stores vectors of ``head_dim``."""
+    registered = get_plugin_host().schemes[scheme].scheme
+    for example in registered.examples:
+        kind = registered.parse(example)
+        try:
+            kind.check_layer(head_dim)
+        except ConfigError:
+            continue
+        return kind, registered.model_tolerance
+    pytest.skip(f"no example of {scheme} fits head_dim {head_dim}")
+
+
+@pytest.mark.usefixtures("state_scheme")
+@pytest.mark.parametrize("window", [None, Window(16, keep=4)], ids=["unbounded", "window16keep4"])
+@pytest.mark.parametrize("scheme", ATTENTION_SCHEMES)
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_attention_layers_take_every_attention_scheme_and_the_window(family, scheme, window):
+    """A hybrid's attention layers run under any attention scheme and the window decorator; its
+    recurrent layers keep their state caches, which no window wraps. Against a full recompute
+    masked to the same windows: raw within float32 rounding, other schemes within the relative
+    logit error they declare (``CacheScheme.model_tolerance``)."""
+    network, _ = load_network(DATA / family / "hf", WeightOptions())
+    # 32 tokens: the 16-position window wraps; within the sequence length schemes declare their
+    # model_tolerance for (AURA keeps its newest 32-36 rows in full precision)
+    prompt = reference(family, "hf")["prompt_ids"][:32]
+    head_dim = next(s.head_dim for s in network.layer_specs(64) if isinstance(s, LayerSpec))
+    kind, tolerance = _kind_for(scheme, head_dim)
+    engine = Engine(network, LoadOptions(kv_cache=kind, kv_eviction=window), prefill_chunk=8)
+    caches = engine.make_layer_caches()
+    recurrent = [cache for cache in caches if isinstance(cache, StateCache)]
+    attention = [cache for cache in caches if not isinstance(cache, StateCache)]
+    assert recurrent and attention
+    assert all(isinstance(cache, WindowCache) == (window is not None) for cache in attention)
+    cached = engine.forward(prompt, caches, all_logits=True)
+    recomputed = network(prompt[None], None, cache_windows(caches))[0]
+    bound = TOLERANCE if scheme == "raw" else tolerance
+    if bound is None:
+        pytest.skip(f"{scheme} declares no model_tolerance")
+    assert relative(cached, recomputed) <= bound
+    if window is not None:
+        assert all(cache.length <= window.max_size for cache in attention)
+
+
+def _cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.usefixtures("state_scheme", "raw_scheme")
+def test_the_commands_run_a_hybrid_model(capsys, family_model, tmp_path):
+    """generate, inspect --layer-trace (each layer's type and cache bytes), bench and quality."""
+    path = str(family_model("qwen3_next" if "qwen3_next" in HYBRIDS else FAMILIES[0]))
+    code, out, _ = _cli(capsys, "generate", "-m", path, "-p", "The quick brown fox", "--max-tokens", "6",
+                        "--kv-window-size", "8", "--state-cache", "ssm-bfloat16")  # fmt: skip
+    assert code == 0 and out.strip()
+    code, out, _ = _cli(capsys, "inspect", "-m", path, "--layer-trace")
+    assert code == 0
+    traced = [line for line in out.splitlines() if line.strip().startswith("layer ") and " ms " in line]
+    assert traced and all(("gated_delta" in line or "attention" in line or "mamba2" in line) and "cache" in line
+                          for line in traced)  # fmt: skip
+    assert "state [1, " in out and " ssm " in out
+    report = tmp_path / "bench.json"
+    code, _, err = _cli(capsys, "bench", "-m", path, "--kv-cache", "raw", "--context", "24", "--decode-tokens", "2",
+                        "--json", str(report))  # fmt: skip
+    assert code == 0, err
+    rows = json.loads(report.read_text())["results"]
+    assert all(row["state_bytes"] > 0 and row["kv_bytes_live"] > 0 for row in rows)
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    code, _, err = _cli(capsys, "quality", "-m", path, "--kv-cache", "raw", "--text", str(text), "--context", "120",
+                        "--prefill", "64", "--chunk", "16")  # fmt: skip
+    assert code == 0, err
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_recurrent_layer_given_an_attention_scheme_names_the_flag(capsys, family_model):
+    code, _, err = _cli(capsys, "generate", "-m", str(family_model(FAMILIES[0])), "-p", "hi", "--state-cache", "raw")
+    assert code == 2 and "--state-cache" in err and "stores attention layers only" in err

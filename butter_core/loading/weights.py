@@ -207,7 +207,7 @@ def _quantized_modules(
     plan = {}
     for path, module in model.named_modules():
         scales = entries.get(f"{path}.scales")
-        if scales is None or not isinstance(module, (nn.Linear, nn.Embedding)):
+        if scales is None or not hasattr(module, "to_quantized"):
             continue
         q = quantization.for_module(path) if quantization else None
         if q is None:

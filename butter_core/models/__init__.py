@@ -2,7 +2,7 @@
 
 Each family is a module with ``ARCHITECTURES`` (Hugging Face class names),
 ``MODEL_TYPES`` and ``build(config, source)``, which returns a model with the interface of
-``DecoderModel`` (``hidden_states``, ``logits``, ``layer_specs``, ``layer_windows``, ``describe``...).
+``LanguageModel`` (``hidden_states``, ``logits``, ``layer_specs``, ``layer_windows``, ``describe``...).
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from types import ModuleType
 from typing import Any
 
 from butter_core.errors import ModelLoadError
-from butter_core.models import llama, mamba2, qwen3
+from butter_core.models import granitemoehybrid, llama, mamba2, qwen3, qwen3_next
 from butter_core.models.base import DecoderModel, ModelArgs
 
 FAMILIES: tuple[ModuleType, ...] = (
     llama,
     qwen3,
     mamba2,
+    qwen3_next,
+    granitemoehybrid,
 )
 
 

@@ -271,60 +271,47 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    """Embedding, blocks and final norm (Hugging Face's ``model.`` prefix)."""
+    """Embedding, layers and final norm (Hugging Face's ``model.`` prefix)."""
 
-    def __init__(self, args: ModelArgs, attention: type[Attention]):
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], norm_eps: float):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [Block(args, attention) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = layers
+        self.norm = nn.RMSNorm(hidden_size, eps=norm_eps)
 
 
-class DecoderModel(nn.Module):
-    """A decoder-only language model: token ids in, next-token logits out.
+class LanguageModel(nn.Module):
+    """What the families' models share: token ids in, next-token logits out.
 
-    ``caches`` holds one ``LayerCache`` per layer (``make_layer_caches``), or is None for
-    a full causal recompute of the given tokens; ``windows`` then bounds each layer's
-    attention as a window-evicting cache would (default: the family's own sliding
-    layers).
+    ``model.embed_tokens``, ``model.layers`` and ``model.norm`` (Hugging Face's names), then the
+    LM head (the embedding where ``args.tie_word_embeddings``). ``caches`` holds one cache per
+    layer (``make_layer_caches``): each layer is called as ``layer(h, cache)``. Without caches
+    the model recomputes the given tokens from scratch, each layer called as ``layer(h, None,
+    mask)`` with the causal mask narrowed to its window (``windows``; default the family's own,
+    ``layer_windows()``) — what a window-evicting cache must match. A family adds
+    ``layer_specs``, ``describe`` and, where its checkpoints come in other layouts,
+    ``checkpoint_layout``; it overrides ``embed`` or ``logits`` where it scales them.
     """
 
-    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention):
+    def __init__(self, args, layers: list[nn.Module]):
         super().__init__()
         self.args = args
-        self.model = Backbone(args, attention)
+        self.model = Backbone(args.vocab_size, args.hidden_size, layers, args.rms_norm_eps)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
-    def layers(self) -> list[Block]:
+    def layers(self) -> list[nn.Module]:
         return self.model.layers
-
-    def layer_specs(self, max_positions: int) -> list[LayerSpec]:
-        """What each layer's cache must hold, attention layers holding up to ``max_positions``."""
-        args = self.args
-        return [
-            LayerSpec(args.num_key_value_heads, args.head_dim, max_positions, dtype=self.dtype, layer_index=index)
-            for index in range(args.num_hidden_layers)
-        ]
-
-    def layer_windows(self) -> list[Window | None]:
-        """Per layer, the window the family bounds its attention by (None: full attention)."""
-        return self.args.layer_windows()
-
-    def describe(self) -> str:
-        """One line for ``butter inspect``: the family and its shape."""
-        a = self.args
-        return (
-            f"family {a.model_type}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-            f"{a.num_attention_heads} heads ({a.num_key_value_heads} KV) of {a.head_dim}, vocab {a.vocab_size}, "
-            f"max_position_embeddings {a.max_position_embeddings}"
-        )
 
     @property
     def dtype(self) -> mx.Dtype:
         """The activation dtype: that of the final norm's weight."""
         return self.model.norm.weight.dtype
+
+    def layer_windows(self) -> list[Window | None]:
+        """Per layer, the window the family bounds its attention by (None: none)."""
+        return [None] * len(self.layers)
 
     def embed(self, token_ids: mx.array) -> mx.array:
         """``[batch, tokens]`` ids to ``[batch, tokens, hidden]`` embeddings."""
@@ -336,7 +323,7 @@ class DecoderModel(nn.Module):
         """Final-norm hidden states ``[batch, tokens, hidden]``."""
         h = self.embed(token_ids)
         if caches is None:
-            windows = self.args.layer_windows() if windows is None else windows
+            windows = self.layer_windows() if windows is None else windows
             masks = {window: window_mask(h.shape[1], window) for window in set(windows)}
             for layer, window in zip(self.layers, windows, strict=True):
                 h = layer(h, None, masks[window])
@@ -355,3 +342,30 @@ class DecoderModel(nn.Module):
         self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows: Sequence[Window | None] | None = None
     ) -> mx.array:
         return self.logits(self.hidden_states(token_ids, caches, windows))
+
+
+class DecoderModel(LanguageModel):
+    """A Llama-shaped decoder: every layer attention, optionally a sliding window on some."""
+
+    def __init__(self, args: ModelArgs, attention: type[Attention] = Attention):
+        super().__init__(args, [Block(args, attention) for _ in range(args.num_hidden_layers)])
+
+    def layer_specs(self, max_positions: int) -> list[LayerSpec]:
+        """What each layer's cache must hold, attention layers holding up to ``max_positions``."""
+        args = self.args
+        return [
+            LayerSpec(args.num_key_value_heads, args.head_dim, max_positions, dtype=self.dtype, layer_index=index)
+            for index in range(args.num_hidden_layers)
+        ]
+
+    def layer_windows(self) -> list[Window | None]:
+        return self.args.layer_windows()
+
+    def describe(self) -> str:
+        """One line for ``butter inspect``: the family and its shape."""
+        a = self.args
+        return (
+            f"family {a.model_type}: {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+            f"{a.num_attention_heads} heads ({a.num_key_value_heads} KV) of {a.head_dim}, vocab {a.vocab_size}, "
+            f"max_position_embeddings {a.max_position_embeddings}"
+        )

@@ -66,27 +66,25 @@ class Mamba2Shape:
                          dtype=dtype, layer_index=layer_index)  # fmt: skip
 
 
-def read_mamba2_shape(read: ConfigReader, *, prefix: str = "") -> Mamba2Shape:
-    """A Mamba2 mixer's sizes from a config (keys named ``{prefix}num_heads`` etc.: Granite's
-    carry ``mamba_``), every problem a ModelLoadError naming the file and key."""
-    hidden = read.int("hidden_size")
-    heads, head_dim = read.int(f"{prefix}num_heads"), read.int(f"{prefix}head_dim")
-    groups = read.int(f"{prefix}n_groups", 1)
+def read_mamba2_shape(read: ConfigReader) -> Mamba2Shape:
+    """A Mamba2 mixer's sizes from a ``Mamba2ForCausalLM`` config, every problem a ModelLoadError
+    naming the file and key (Granite 4.0-H names them its own way: ``granitemoehybrid``)."""
+    heads, groups = read.int("num_heads"), read.int("n_groups", 1)
     if heads % groups:
-        read.fail(f"{prefix}num_heads ({heads}) must be a multiple of {prefix}n_groups ({groups})")
+        read.fail(f"num_heads ({heads}) must be a multiple of n_groups ({groups})")
     low, high = read.floats("time_step_limit", 2, (0.0, math.inf))
     return Mamba2Shape(
-        hidden_size=hidden,
+        hidden_size=read.int("hidden_size"),
         num_heads=heads,
-        head_dim=head_dim,
-        state_size=read.int(f"{prefix}d_state" if prefix else "state_size"),
+        head_dim=read.int("head_dim"),
+        state_size=read.int("state_size"),
         n_groups=groups,
-        conv_kernel=read.int(f"{prefix}d_conv" if prefix else "conv_kernel", 4),
-        use_conv_bias=read.bool(f"{prefix}conv_bias" if prefix else "use_conv_bias", True),
-        use_bias=read.bool(f"{prefix}proj_bias" if prefix else "use_bias", False),
-        norm_eps=read.float("layer_norm_epsilon" if not prefix else "rms_norm_eps", 1e-5),
+        conv_kernel=read.int("conv_kernel", 4),
+        use_conv_bias=read.bool("use_conv_bias", True),
+        use_bias=read.bool("use_bias", False),
+        norm_eps=read.float("layer_norm_epsilon", 1e-5),
         time_step_limit=(low, high),
-        chunk_size=read.int(f"{prefix}chunk_size" if prefix else "chunk_size", 256),
+        chunk_size=read.int("chunk_size", 256),
     )
 
 

@@ -21,7 +21,7 @@ from butter_core.layer_caches import make_layer_caches
 from butter_core.plugins import get_plugin_host
 from butter_core.recurrent import GATED_DELTA, MAMBA2, GatedDeltaMixer, Mamba2Mixer, StateSpec
 from butter_core.testing.cache_tests import DiscoveryTests, ParameterTests
-from butter_core.testing.fixtures import Capabilities
+from butter_core.testing.fixtures import SchemeFixtures
 from butter_core.testing.kernel_tests import KernelTests
 from butter_core.testing.profiles import suite_settings
 from butter_core.testing.reference import relative_error
@@ -111,37 +111,16 @@ def make_state_cache(kind: CacheKind, spec: StateSpec):
     return make_layer_caches(kind, [spec])[0]
 
 
-class RecurrentFixtures:
-    """The fixtures a recurrent conformance subclass provides, and those the suite provides."""
-
-    scheme: str = ""
-
-    @pytest.fixture
-    def cache_kind(self) -> CacheKind:
-        """The ``CacheKind`` under test (parametrize the fixture to cover several)."""
-        raise NotImplementedError("provide a cache_kind fixture returning the CacheKind to check")
+class RecurrentFixtures(SchemeFixtures):
+    """The fixtures a recurrent conformance subclass provides (``cache_kind``, ``invalid_kinds``
+    and ``capabilities``, whose ``dtypes`` alone apply, as for attention schemes; and
+    ``state_tolerance``), and those the suite provides."""
 
     @pytest.fixture
     def state_tolerance(self, cache_kind, dtype) -> float:
         """Largest allowed ‖out − ref‖ / ‖ref‖ of a mixer's output against the float32 reference
         over the whole input history, for ``cache_kind`` in model dtype ``dtype``."""
         raise NotImplementedError("provide state_tolerance(cache_kind, dtype) -> relative error bound")
-
-    @pytest.fixture
-    def invalid_kinds(self) -> list:
-        """Zero-argument callables that must each raise ``ConfigError``."""
-        raise NotImplementedError("provide invalid_kinds: callables that build invalid kinds")
-
-    @pytest.fixture
-    def capabilities(self) -> Capabilities:
-        """What the scheme supports (``dtypes`` only, for recurrent schemes); defaults to everything."""
-        return Capabilities()
-
-    @pytest.fixture(params=["float32", "float16", "bfloat16"])
-    def dtype(self, request, capabilities) -> mx.Dtype:
-        if request.param not in capabilities.dtypes:
-            pytest.skip(f"{self.scheme} does not claim dtype {request.param}")
-        return getattr(mx, request.param)
 
     @pytest.fixture(params=[MAMBA2, GATED_DELTA])
     def layer_type(self, request) -> str:
