@@ -102,11 +102,18 @@ def test_a_long_prefill_shows_its_progress_on_stderr(capsys, model_path, monkeyp
                     "prefill [####################] 1102/1102 done"]  # fmt: skip
 
 
+def test_ignore_eos_generates_exactly_max_tokens(capsys, model_path):
+    code, _, err = run(capsys, "generate", "-m", model_path, "-p", "hi", "--max-tokens", "7", "--ignore-eos")
+    assert code == 0 and "decode: 7 tokens" in err
+
+
 def test_ctrl_c_is_one_line_and_exit_130(model_path):
-    """A real SIGINT to a real process while it streams."""
+    """A real SIGINT to a real process while it streams (``--ignore-eos``: the tiny model's greedy
+    path may end at its end-of-sequence token before the signal arrives, or print nothing
+    visible before it)."""
     code = "import sys; from butter_core.cli import main; sys.exit(main())"
     argv = [sys.executable, "-c", code, "generate", "-m", model_path, "-p", "hi", "--max-tokens", "100000000",
-            "--kv-window-size", "64"]  # fmt: skip
+            "--kv-window-size", "64", "--ignore-eos"]  # fmt: skip
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     process.stdout.read(1)  # it is generating
     process.send_signal(signal.SIGINT)

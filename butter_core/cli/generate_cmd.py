@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default 1)")
     parser.add_argument("--seed", type=int, metavar="S", help="random seed, for reproducible sampling")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="do not stop at the model's end-of-sequence tokens: generate exactly --max-tokens")  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -33,7 +35,7 @@ def run(args) -> int:
     prompt = model.encode_prompt(args.prompt, chat=args.chat)
     prefill = Progress(len(prompt), "prefill", sys.stderr, delay=PROGRESS_DELAY)
     generation = model.generate(
-        prompt, sampler=sampler, max_tokens=args.max_tokens,
+        prompt, sampler=sampler, max_tokens=args.max_tokens, stop_ids=() if args.ignore_eos else None,
         prefill_progress=lambda done, total: prefill.advance_to(done, "tokens"),
     )  # fmt: skip
     detokenizer = model.tokenizer.detokenizer()

@@ -207,6 +207,17 @@ def window_mask(length: int, window: Window | None) -> Mask:
     return (key <= query) & ((key < window.keep) | (key > query - window.ring_size))
 
 
+def attend_through(
+    cache: AttentionCache | None, q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask
+) -> mx.array:
+    """Attention of ``q`` (``[batch, heads, tokens, head_dim]``, RoPE applied): through ``cache``
+    (which appends ``k``/``v`` and attends over all it holds), or without one over ``k``/``v``
+    alone under ``mask`` (a full recompute)."""
+    if cache is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return cache.update_and_attend(q, k, v, scale=scale)
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA whose K/V history lives in an ``AttentionCache``."""
 
@@ -235,21 +246,18 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         offset = 0 if cache is None else cache.absolute_position
         q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is None:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        else:
-            out = cache.update_and_attend(q, k, v, scale=self.scale)
+        out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, dims: int, hidden_dims: int, *, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_proj = nn.Linear(dims, hidden_dims, bias=bias)
+        self.up_proj = nn.Linear(dims, hidden_dims, bias=bias)
+        self.down_proj = nn.Linear(hidden_dims, dims, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -261,7 +269,7 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, attention: type[Attention] = Attention):
         super().__init__()
         self.self_attn = attention(args)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

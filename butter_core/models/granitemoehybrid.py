@@ -37,7 +37,7 @@ from mlx import nn
 
 from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.loading.checkpoint import TensorEntry
-from butter_core.models.base import ROPE_TYPES, LanguageModel, RoPE, RopeConfig
+from butter_core.models.base import MLP, ROPE_TYPES, LanguageModel, RoPE, RopeConfig, attend_through
 from butter_core.models.config_values import ConfigReader
 from butter_core.models.mamba2 import Mamba2Layer, Mamba2Shape, conv_weights_as_stored
 from butter_core.models.moe import SwiGLUExperts, sliced_entry, swiglu, top_k_softmax
@@ -108,10 +108,7 @@ class GraniteAttention(nn.Module):
         if self.rope is not None:
             offset = 0 if cache is None else cache.absolute_position
             q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is None:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        else:
-            out = cache.update_and_attend(q, k, v, scale=self.scale)
+        out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
 
 
@@ -154,19 +151,6 @@ class SharedMLP(nn.Module):
         return self.output_linear(swiglu(gate, up))
 
 
-class DenseMLP(nn.Module):
-    """A dense model's MLP (the shared MLP, as mlx-lm names it: ``mlp.{gate,up,down}_proj``)."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
 class GraniteLayer(nn.Module):
     """One decoder layer: a Mamba2 or attention mixer, then the MoE plus shared MLP, both residuals scaled."""
 
@@ -184,7 +168,7 @@ class GraniteLayer(nn.Module):
             self.block_sparse_moe = MoE(args)
             self.shared_mlp = SharedMLP(args.hidden_size, args.shared_intermediate_size)
         else:
-            self.mlp = DenseMLP(args.hidden_size, args.shared_intermediate_size)
+            self.mlp = MLP(args.hidden_size, args.shared_intermediate_size)
 
     def __call__(self, x: mx.array, cache: LayerCache | None, mask: Mask = "causal") -> mx.array:
         normed = self.input_layernorm(x)

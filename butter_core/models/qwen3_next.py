@@ -42,9 +42,9 @@ import mlx.nn as nn
 from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.errors import ModelLoadError
 from butter_core.loading.checkpoint import TensorEntry
-from butter_core.models.base import ROPE_TYPES, LanguageModel, RoPE, RopeConfig
+from butter_core.models.base import MLP, ROPE_TYPES, LanguageModel, RoPE, RopeConfig, attend_through
 from butter_core.models.config_values import ConfigReader
-from butter_core.models.moe import SwiGLUExperts, sliced_entry, softmax_top_k, stacked_entry, swiglu
+from butter_core.models.moe import SwiGLUExperts, sliced_entry, softmax_top_k, stacked_entry
 from butter_core.recurrent import GATED_DELTA, GatedDeltaMixer, StateCache, StateSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM",)
@@ -213,25 +213,9 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         offset = 0 if cache is None else cache.absolute_position
         q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is None:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        else:
-            out = cache.update_and_attend(q, k, v, scale=self.scale)
+        out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
         out = _sigmoid_gated(out.transpose(0, 2, 1, 3), gate)
         return self.o_proj(out.reshape(batch, tokens, -1))
-
-
-class MLP(nn.Module):
-    """Dense SwiGLU feed-forward: ``down(silu(gate(x)) · up(x))``."""
-
-    def __init__(self, dims: int, hidden_dims: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.up_proj = nn.Linear(dims, hidden_dims, bias=False)
-        self.down_proj = nn.Linear(hidden_dims, dims, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
