@@ -108,7 +108,7 @@ def _check_kind(instance, attribute, value):
     if value is not None and not isinstance(value, CacheKind):
         raise ConfigError(
             f"LoadOptions.{attribute.name} must be None (the default scheme), a scheme's CLI string such as "
-            f"'affine8', or a CacheKind (a plugin's kind, e.g. butter_affine.Affine(bits=8)); got {value!r}"
+            f"'affine8', or a CacheKind (an installed scheme's kind, as parse_kv_cache returns); got {value!r}"
         )
 
 

@@ -104,7 +104,7 @@ def _check_arguments(kind, specs, eviction, layer_windows) -> None:
     if not (isinstance(kind, CacheKind) or per_type or callable(kind)):
         hint = f"; to parse the string use parse_kv_cache({kind!r})" if isinstance(kind, str) else ""
         raise ConfigError(
-            f"make_layer_caches: kind must be a CacheKind (a plugin's kind, e.g. butter_affine.Affine(bits=8)), "
+            f"make_layer_caches: kind must be a CacheKind (an installed scheme's kind, as parse_kv_cache returns), "
             f"got {kind!r} ({type(kind).__name__}){hint}"
         )
     if not isinstance(specs, Sequence) or not all(isinstance(spec, LayerSpec | StateSpec) for spec in specs):

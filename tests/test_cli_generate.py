@@ -1,5 +1,6 @@
 """``butter generate`` and ``butter inspect`` through ``butter_core.cli.main``: streams, summaries, exit codes."""
 
+import functools
 import importlib.util
 import signal
 import subprocess
@@ -114,7 +115,10 @@ def test_ctrl_c_is_one_line_and_exit_130(model_path):
     code = "import sys; from butter_core.cli import main; sys.exit(main())"
     argv = [sys.executable, "-c", code, "generate", "-m", model_path, "-p", "hi", "--max-tokens", "100000000",
             "--kv-window-size", "64", "--ignore-eos"]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # As from an interactive shell: a job started in the background of a script (a CI runner's
+    # `cmd &`) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    restore_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=restore_sigint)
     process.stdout.read(1)  # it is generating
     process.send_signal(signal.SIGINT)
     try:

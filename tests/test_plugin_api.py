@@ -49,3 +49,14 @@ def test_plugins_import_core_only_through_the_plugin_api(package):
             stray += [f"{source.relative_to(ROOT)}: {name}" for name in names
                       if name.startswith("butter_core") and name != "butter_core.plugin_api"]  # fmt: skip
     assert not stray, "library code imports core outside butter_core.plugin_api:\n" + "\n".join(stray)
+
+
+def test_core_defines_no_scheme_kind():
+    """Each plugin owns its configuration: no CacheKind subclass of ours lives in core."""
+    core = ROOT / "butter_core"
+    kinds = []
+    for source in core.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", None) == "CacheKind" for b in node.bases):
+                kinds.append(f"{source.relative_to(ROOT)}: {node.name}")
+    assert not kinds, f"scheme kinds defined in core (they belong to their plugins): {kinds}"
