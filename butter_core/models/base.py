@@ -149,6 +149,33 @@ def _parse_rope(values: dict[str, Any], source: Path) -> RopeConfig:
         raise ModelLoadError(f"{source}: invalid rope_theta or rope_scaling: {exc}") from exc
 
 
+def read_rope(read) -> tuple[RopeConfig, dict[str, Any]]:
+    """RoPE's parameters from transformers 5's ``rope_parameters`` or the flat ``rope_theta`` /
+    ``rope_scaling`` (``read``: a ``ConfigReader``), and the merged values, for the keys a family
+    reads beside them (``partial_rotary_factor``)."""
+    nested, scaling = read.value("rope_parameters", {}), read.value("rope_scaling", {})
+    if not isinstance(nested, dict) or not isinstance(scaling, dict):
+        read.fail(f"rope_parameters and rope_scaling must be objects or null, got {nested!r} and {scaling!r}")
+    values = {**scaling, **nested}
+    kind = values.get("rope_type") or values.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        read.fail(f"rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    default = RopeConfig()
+    try:
+        return RopeConfig(
+            theta=float(values.get("rope_theta", read.float("rope_theta", default.theta))),
+            type=kind,
+            factor=float(values.get("factor", default.factor)),
+            low_freq_factor=float(values.get("low_freq_factor", default.low_freq_factor)),
+            high_freq_factor=float(values.get("high_freq_factor", default.high_freq_factor)),
+            original_max_position_embeddings=int(
+                values.get("original_max_position_embeddings", default.original_max_position_embeddings)
+            ),
+        ), values
+    except (TypeError, ValueError) as exc:
+        read.fail(f"invalid rope parameters: {exc}")
+
+
 def _parse_layer_types(values: dict[str, Any], layers: int, sliding_window: Any, source: Path) -> tuple[str, ...]:
     """``layer_types`` as given, or derived the Qwen2/3 way from ``use_sliding_window`` / ``max_window_layers``."""
     layer_types = values.get("layer_types")

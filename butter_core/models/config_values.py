@@ -35,6 +35,18 @@ class ConfigReader:
             self.fail(f"{key!r} must be a positive integer, got {value!r}")
         return value
 
+    def count(self, key: str, default: Any = _MISSING) -> int:
+        """A non-negative integer (0 allowed: no experts, no groups of something)."""
+        value = self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            self.fail(f"{key!r} must be a non-negative integer, got {value!r}")
+        return value
+
+    def require_silu(self) -> None:
+        """Fail unless the config's ``hidden_act`` is silu (the default), the only one supported."""
+        if self.value("hidden_act", "silu") != "silu":
+            self.fail(f"hidden_act {self.config.get('hidden_act')!r} is not supported; supported: silu")
+
     def float(self, key: str, default: Any = _MISSING) -> float:
         value = self.value(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float):

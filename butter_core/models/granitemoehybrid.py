@@ -37,7 +37,7 @@ from mlx import nn
 
 from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.loading.checkpoint import TensorEntry
-from butter_core.models.base import MLP, ROPE_TYPES, LanguageModel, RoPE, RopeConfig, attend_through
+from butter_core.models.base import MLP, LanguageModel, RoPE, RopeConfig, attend_through, read_rope
 from butter_core.models.config_values import ConfigReader
 from butter_core.models.mamba2 import Mamba2Layer, Mamba2Shape, conv_weights_as_stored
 from butter_core.models.moe import SwiGLUExperts, sliced_entry, swiglu, top_k_softmax
@@ -299,54 +299,24 @@ def read_mamba_shape(read: ConfigReader) -> Mamba2Shape:
     )
 
 
-def read_rope(read: ConfigReader) -> RopeConfig | None:
-    """RoPE's parameters when ``position_embedding_type`` is "rope" (else None: NoPE), from
-    transformers 5's ``rope_parameters`` or the flat ``rope_theta`` / ``rope_scaling``."""
+def read_position_embedding(read: ConfigReader) -> RopeConfig | None:
+    """RoPE's parameters when ``position_embedding_type`` is "rope" (else None: NoPE)."""
     if read.value("position_embedding_type", None) != "rope":
         return None
-    params = read.value("rope_parameters", {})
-    scaling = read.value("rope_scaling", {})
-    if not isinstance(params, dict) or not isinstance(scaling, dict):
-        read.fail(f"rope_parameters and rope_scaling must be objects or null, got {params!r} and {scaling!r}")
-    values = {**scaling, **params}
-    kind = values.get("rope_type") or values.get("type") or "default"
-    if kind not in ROPE_TYPES:
-        read.fail(f"rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    default = RopeConfig()
-    try:
-        return RopeConfig(
-            theta=float(values.get("rope_theta", read.float("rope_theta", default.theta))),
-            type=kind,
-            factor=float(values.get("factor", default.factor)),
-            low_freq_factor=float(values.get("low_freq_factor", default.low_freq_factor)),
-            high_freq_factor=float(values.get("high_freq_factor", default.high_freq_factor)),
-            original_max_position_embeddings=int(
-                values.get("original_max_position_embeddings", default.original_max_position_embeddings)
-            ),
-        )
-    except (TypeError, ValueError) as exc:
-        read.fail(f"invalid rope parameters: {exc}")
-
-
-def _non_negative_int(read: ConfigReader, key: str, default: int) -> int:
-    value = read.value(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        read.fail(f"{key!r} must be a non-negative integer, got {value!r}")
-    return value
+    return read_rope(read)[0]
 
 
 def build(config: dict[str, Any], source: Path) -> GraniteMoeHybridModel:
     """A Granite 4.0-H model shaped by ``config`` (read from ``source``), with uninitialised weights."""
     read = ConfigReader(config, source)
-    if read.value("hidden_act", "silu") != "silu":
-        read.fail(f"hidden_act {config.get('hidden_act')!r} is not supported; supported: silu")
+    read.require_silu()
     hidden, layers = read.int("hidden_size"), read.int("num_hidden_layers")
     layer_types = read_layer_types(read, layers)
     heads = read.int("num_attention_heads", 32)
     kv_heads = read.int("num_key_value_heads", heads)
     if heads % kv_heads:
         read.fail(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
-    experts = _non_negative_int(read, "num_local_experts", 8)
+    experts = read.count("num_local_experts", 8)
     top_k = read.int("num_experts_per_tok", 2)
     if experts and top_k > experts:
         read.fail(f"num_experts_per_tok ({top_k}) must be at most num_local_experts ({experts})")
@@ -367,7 +337,7 @@ def build(config: dict[str, Any], source: Path) -> GraniteMoeHybridModel:
         num_key_value_heads=kv_heads,
         head_dim=read.int("head_dim", hidden // heads),
         attention_bias=read.bool("attention_bias", False),
-        rope=read_rope(read),
+        rope=read_position_embedding(read),
         num_experts=experts,
         experts_per_token=top_k,
         intermediate_size=read.int("intermediate_size") if experts else read.int("intermediate_size", 1),

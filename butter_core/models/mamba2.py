@@ -24,7 +24,6 @@ import mlx.nn as nn
 
 from butter_core.cache import LayerCache
 from butter_core.config import Window
-from butter_core.errors import ModelLoadError
 from butter_core.loading.checkpoint import TensorEntry
 from butter_core.models.config_values import ConfigReader
 from butter_core.recurrent import MAMBA2, Mamba2Mixer, StateCache, StateSpec
@@ -258,8 +257,7 @@ def build(config: dict[str, Any], source: Path) -> Mamba2Model:
     """A Mamba2 model shaped by ``config`` (read from ``source``), with uninitialised weights."""
     read = ConfigReader(config, source)
     mixer = read_mamba2_shape(read)
-    if read.value("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {config.get('hidden_act')!r} is not supported; supported: silu")
+    read.require_silu()
     if read.bool("norm_before_gate", False):
         read.fail("norm_before_gate true is not supported (Mamba2 checkpoints gate before the norm)")
     return Mamba2Model(Mamba2Args(

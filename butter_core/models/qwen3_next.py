@@ -42,7 +42,7 @@ import mlx.nn as nn
 from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.errors import ModelLoadError
 from butter_core.loading.checkpoint import TensorEntry
-from butter_core.models.base import MLP, ROPE_TYPES, LanguageModel, RoPE, RopeConfig, attend_through
+from butter_core.models.base import MLP, LanguageModel, RoPE, RopeConfig, attend_through, read_rope
 from butter_core.models.config_values import ConfigReader
 from butter_core.models.moe import SwiGLUExperts, sliced_entry, softmax_top_k, stacked_entry
 from butter_core.recurrent import GATED_DELTA, GatedDeltaMixer, StateCache, StateSpec
@@ -395,30 +395,11 @@ def _read_rope(read: ConfigReader, head_dim: int) -> tuple[RopeConfig, int]:
     """The rotary embedding and how many of each head's dims it rotates, from the published spelling
     (``rope_theta``, ``partial_rotary_factor``, ``rope_scaling``) or transformers 5's
     (``rope_parameters``)."""
-    nested = read.value("rope_parameters", {})
-    scaling = read.value("rope_scaling", {})
-    if not isinstance(nested, dict) or not isinstance(scaling, dict):
-        read.fail(f"rope_parameters and rope_scaling must be objects or null, got {nested!r} and {scaling!r}")
-    values = {**scaling, **nested}
-    kind = values.get("rope_type") or values.get("type") or "default"
-    if kind not in ROPE_TYPES:
-        read.fail(f"rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    if kind != "default" and "factor" not in values:
-        read.fail(f"rope type {kind!r} needs a 'factor'")
-    theta = values.get("rope_theta", read.value("rope_theta", 10000.0))
+    rope, values = read_rope(read)
+    if rope.type != "default" and "factor" not in values:
+        read.fail(f"rope type {rope.type!r} needs a 'factor'")
     partial = values.get("partial_rotary_factor", read.value("partial_rotary_factor", 0.25))
     try:
-        default = RopeConfig()
-        rope = RopeConfig(
-            theta=float(theta),
-            type=kind,
-            factor=float(values.get("factor", default.factor)),
-            low_freq_factor=float(values.get("low_freq_factor", default.low_freq_factor)),
-            high_freq_factor=float(values.get("high_freq_factor", default.high_freq_factor)),
-            original_max_position_embeddings=int(
-                values.get("original_max_position_embeddings", default.original_max_position_embeddings)
-            ),
-        )
         rotary_dim = int(head_dim * float(partial))
     except (TypeError, ValueError) as exc:
         read.fail(f"invalid rope parameters: {exc}")
@@ -438,18 +419,10 @@ def _read_layer_types(read: ConfigReader, layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _read_count(read: ConfigReader, key: str, default: int) -> int:
-    value = read.value(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        read.fail(f"{key!r} must be a non-negative integer, got {value!r}")
-    return value
-
-
 def build(config: dict[str, Any], source: Path) -> Qwen3NextModel:
     """A Qwen3-Next model shaped by ``config`` (read from ``source``), with uninitialised weights."""
     read = ConfigReader(config, source)
-    if read.value("hidden_act", "silu") != "silu":
-        read.fail(f"hidden_act {config.get('hidden_act')!r} is not supported; supported: silu")
+    read.require_silu()
     hidden, layers = read.int("hidden_size"), read.int("num_hidden_layers")
     heads, kv_heads = read.int("num_attention_heads"), read.int("num_key_value_heads")
     if heads % kv_heads:
@@ -475,7 +448,7 @@ def build(config: dict[str, Any], source: Path) -> Qwen3NextModel:
             read.fail(f"linear_num_value_heads ({linear.value_heads}) must be a multiple of "
                       f"linear_num_key_heads ({linear.key_heads})")  # fmt: skip
 
-    experts = _read_count(read, "num_experts", 0)
+    experts = read.count("num_experts", 0)
     step = read.int("decoder_sparse_step", 1)
     dense_only = read.value("mlp_only_layers", [])
     if not isinstance(dense_only, list | tuple) or not all(isinstance(i, int) for i in dense_only):
