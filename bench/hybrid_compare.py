@@ -1,6 +1,6 @@
 """Recurrent and hybrid families: butter against mlx-lm, same weights and shapes, one run.
 
-For each family (``--families``: mamba2, qwen3_next, granitemoehybrid) a model of the chosen
+For each family (``--families``: mamba2, qwen3_next, granitemoehybrid, nemotron_h) a model of the chosen
 ``--size`` (``cpu``: small enough for a 2-core CPU; ``gpu``: the published configs' layer
 shapes with fewer layers) is built once with mlx-lm's own model class, given seeded random
 weights, and saved as mlx-lm saves a converted model (its parameter names, ``config.json``);
@@ -48,16 +48,21 @@ SIZES = {
                                  mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128, num_local_experts=16,
                                  num_experts_per_tok=4, intermediate_size=256, shared_intermediate_size=512,
                                  vocab_size=32000),
+        "nemotron_h": dict(hidden_size=768, hybrid_override_pattern="M-M*-ME", num_attention_heads=12,
+                           num_key_value_heads=4, head_dim=64, mamba_num_heads=24, mamba_head_dim=64, n_groups=1,
+                           ssm_state_size=128, intermediate_size=2048, n_routed_experts=16, num_experts_per_tok=4,
+                           moe_intermediate_size=256, moe_shared_expert_intermediate_size=512, vocab_size=32000),
     },
     "gpu": {
         # Mamba2-2.7B's layer (80 heads of 64, state 128), 16 of its 64 layers.
         "mamba2": dict(hidden_size=2560, num_heads=80, head_dim=64, state_size=128, n_groups=1, expand=2,
                        num_hidden_layers=16, vocab_size=50288),
         # Qwen3-Next-80B-A3B's layer shapes (gated delta 16 key / 32 value heads of 128; attention 16/2 of 256;
-        # 512 experts, top 10), 8 of its 48 layers.
+        # experts of 512, top 10), 8 of its 48 layers, 64 of its 512 experts (a token reads the same 10 experts'
+        # bytes; 512 would make a 26 GB file for 8 layers).
         "qwen3_next": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                           linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
+                           linear_value_head_dim=128, num_experts=64, num_experts_per_tok=10,
                            moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120,
                            vocab_size=151936),
         # Granite-4.0-H-Tiny's layers (mamba 48 heads of 64, state 128; attention 12/4; 64 experts, top 6), 10 of 40.
@@ -65,6 +70,12 @@ SIZES = {
                                  mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, num_local_experts=64,
                                  num_experts_per_tok=6, intermediate_size=512, shared_intermediate_size=1024,
                                  vocab_size=100352),
+        # Nemotron-3-Nano-30B-A3B's layers (mamba 64 heads of 64, state 128, 8 groups; attention 32/2 of 128;
+        # 128 experts of 1856, top 6, shared expert 3712), 7 of its 52 layers, 32 of its 128 experts.
+        "nemotron_h": dict(hidden_size=2688, hybrid_override_pattern="MEMEM*E", num_attention_heads=32,
+                           num_key_value_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64, n_groups=8,
+                           ssm_state_size=128, intermediate_size=1856, n_routed_experts=32, num_experts_per_tok=6,
+                           moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, vocab_size=131072),
     },
 }  # fmt: skip
 
@@ -91,6 +102,14 @@ def family_config(family: str, shape: dict) -> dict:
                 "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
                 "logits_scaling": 6.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "attention_bias": False,
                 "max_position_embeddings": 131072, "hidden_act": "silu", "rope_theta": 10000.0, **shape}  # fmt: skip
+    if family == "nemotron_h":
+        return {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "conv_kernel": 4,
+                "chunk_size": 128, "use_conv_bias": True, "use_bias": False, "mamba_proj_bias": False,
+                "attention_bias": False, "mlp_bias": False, "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5,
+                "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                "routed_scaling_factor": 2.5, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+                "num_hidden_layers": len(shape["hybrid_override_pattern"]), "time_step_limit": [0.0, float("inf")],
+                **shape}  # fmt: skip
     raise ValueError(family)
 
 
@@ -230,7 +249,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
     parser.add_argument("--dtype", default=None, help="weights' dtype (default: float32 on cpu size, bfloat16 on gpu)")
-    parser.add_argument("--families", nargs="+", default=["mamba2", "qwen3_next", "granitemoehybrid"])
+    parser.add_argument("--families", nargs="+", default=["mamba2", "qwen3_next", "granitemoehybrid", "nemotron_h"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=2)

@@ -14,6 +14,8 @@ by device), each chunk one batched pass through every layer, never one token at 
 
 from __future__ import annotations
 
+import functools
+
 import time
 from collections.abc import Callable, Sequence
 
@@ -165,7 +167,7 @@ class Engine:
         hidden = self.network.embed(ids[None])
         mx.eval(hidden)
         timings = []
-        for index, (layer, cache) in enumerate(zip(self.network.layers, caches)):
+        for index, (layer, cache) in enumerate(zip(self.network.layers, self.network.along_layers(caches))):
             start = time.perf_counter()
             hidden = layer(hidden, cache)
             mx.eval(hidden)
@@ -229,12 +231,19 @@ class Engine:
         )
 
     def check_caches(self, caches: Sequence[LayerCache]) -> None:
-        """Raise ConfigError unless ``caches`` has one cache per layer."""
-        layers = self.network.args.num_hidden_layers
-        if len(caches) != layers:
+        """Raise ConfigError unless ``caches`` has one cache per layer that keeps state."""
+        if len(caches) != self.cache_count:
+            layers = self.network.args.num_hidden_layers
+            held = "" if self.cache_count == layers else f" ({self.cache_count} of them keep state)"
             raise ConfigError(
-                f"got {len(caches)} caches for a model of {layers} layers; make them with engine.make_layer_caches()"
+                f"got {len(caches)} caches for a model of {layers} layers{held}; make them with "
+                "engine.make_layer_caches()"
             )
+
+    @functools.cached_property
+    def cache_count(self) -> int:
+        """How many caches the model's layers take: one per ``layer_specs`` entry."""
+        return len(self.layer_specs())
 
 
 def cache_windows(caches: Sequence[LayerCache]) -> list[Window | None]:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from butter_core import ConfigError, LayerSpec, LoadOptions, Window
+from butter_core.errors import ModelLoadError
 from butter_core.cache import ATTENTION
 from butter_core.cli import main
 from butter_core.engine import Engine, cache_windows
@@ -36,6 +37,7 @@ FAMILIES = [
     "mamba2",
     "qwen3_next",
     "granitemoehybrid",
+    "nemotron_h",
 ]
 LAYOUTS = ["hf", "mlx", "mlx-q4"]
 TOLERANCE = 1e-4
@@ -230,3 +232,41 @@ def test_the_commands_run_a_hybrid_model(capsys, family_model, tmp_path):
 def test_a_recurrent_layer_given_an_attention_scheme_names_the_flag(capsys, family_model):
     code, _, err = _cli(capsys, "generate", "-m", str(family_model(FAMILIES[0])), "-p", "hi", "--state-cache", "raw")
     assert code == 2 and "--state-cache" in err and "stores attention layers only" in err
+
+
+@pytest.mark.usefixtures("state_scheme", "raw_scheme")
+def test_nemotron_h_keeps_caches_for_its_mixer_layers_only(capsys, family_model):
+    """Nemotron-H's MLP and MoE layers keep no state: one cache per Mamba2 or attention layer, laid
+    along the layers; the layer trace shows every layer; a wrong count of caches is named."""
+    path = family_model("nemotron_h")
+    model = Model.load(str(path))
+    caches = model.engine.make_layer_caches()
+    assert [cache.spec.layer_index for cache in caches] == [0, 1, 4]
+    assert [type(cache).__name__ for cache in model.network.along_layers(caches)][2:4] == ["NoneType"] * 2
+    with pytest.raises(ConfigError, match=r"got 2 caches for a model of 5 layers \(3 of them keep state\)"):
+        model.engine.forward([1, 2, 3], caches[:2])
+    code, out, _ = _cli(capsys, "inspect", "-m", str(path), "--layer-trace")
+    assert code == 0
+    traced = [line.split() for line in out.splitlines() if line.strip().startswith("layer ") and " ms " in line]
+    assert [(words[1], words[2]) for words in traced] == [
+        ("0", "mamba2"), ("1", "attention"), ("2", "none"), ("3", "none"), ("4", "mamba2")]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"hybrid_override_pattern": "M*X"}, r"hybrid_override_pattern must be a string of M \(Mamba2\), \*"),
+        ({"hybrid_override_pattern": "M*-E"}, "num_hidden_layers is 5 but the layer pattern lists 4 layers"),
+        ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act 'gelu' is not supported; supported: relu2"),
+        ({"n_group": 3}, r"n_group \(3\) must divide n_routed_experts \(8\)"),
+        ({"hybrid_override_pattern": None, "layers_block_type": ["mamba", "conv"]}, "layers_block_type must list"),
+    ],
+)
+def test_nemotron_h_config_errors_name_the_key(family_model, edit, message):
+    path = family_model("nemotron_h")
+    config = json.loads((path / "config.json").read_text())
+    config.update(edit)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message) as info:
+        Model.load(str(path))
+    assert str(path / "config.json") in str(info.value)

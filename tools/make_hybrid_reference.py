@@ -10,6 +10,8 @@ CI has no PyTorch, so butter's implementations of
                 gated full attention, sparse MoE with a gated shared expert),
 * Granite 4.0-H (``GraniteMoeHybridForCausalLM``: Mamba-2 layers + NoPE
                 attention layers, MoE + shared MLP, Granite multipliers),
+* Nemotron-H   (``NemotronHForCausalLM``: Mamba-2, NoPE attention, squared-ReLU
+                MLP and MoE layers, a group-limited sigmoid router),
 
 are checked against numbers that Hugging Face transformers' own PyTorch code
 produced once, here, and that are committed under ``tests/data/hybrid/``.
@@ -113,7 +115,7 @@ MIN_ROUTER_GAP = 2e-3  # k-th minus (k+1)-th router logit, every token & layer
 MIN_DISTINCT = 8  # distinct tokens among the 16 greedy ones (no degenerate loop)
 TOKEN_BY_TOKEN_RTOL = 1e-4
 
-FAMILIES = ["mamba2", "qwen3_next", "granitemoehybrid"]
+FAMILIES = ["mamba2", "qwen3_next", "granitemoehybrid", "nemotron_h"]
 
 
 # --------------------------------------------------------------------------
@@ -230,6 +232,48 @@ def family_spec(name: str) -> dict:
                 "tie_word_embeddings": True,
                 "bos_token_id": 0,
                 "eos_token_id": 0,
+                "pad_token_id": 0,
+            },
+        }
+    if name == "nemotron_h":
+        return {
+            "hf_class": "NemotronHForCausalLM",
+            "config_class": "NemotronHConfig",
+            "base_seed": 4000,
+            "config": {
+                "vocab_size": VOCAB,
+                "hidden_size": 64,
+                # one layer of each kind, a second Mamba-2 layer after the MoE
+                "layers_block_type": ["linear_attention", "full_attention", "mlp", "moe", "linear_attention"],
+                # NoPE attention
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 256,
+                # mamba-2 mixer
+                "mamba_num_heads": 8,
+                "mamba_head_dim": 16,
+                "n_groups": 2,  # gated-norm groups of 64 channels
+                "ssm_state_size": 16,
+                "conv_kernel": 4,
+                "chunk_size": 8,
+                "use_conv_bias": True,
+                "use_bias": False,
+                # squared-ReLU MLP, MoE with a shared expert
+                "intermediate_size": 96,
+                "mlp_hidden_act": "relu2",
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "moe_shared_expert_intermediate_size": 48,
+                "n_group": 2,  # the choice limited to the better of 2 groups of 4
+                "topk_group": 1,
+                "norm_topk_prob": True,
+                "routed_scaling_factor": 2.5,
+                "layer_norm_epsilon": 1e-5,
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
                 "pad_token_id": 0,
             },
         }
@@ -394,6 +438,33 @@ def _torch_part(families: list[str]) -> None:
             # The lm_head is the (small) embedding matrix and logits are divided
             # by logits_scaling: a large final-norm weight spreads the logits.
             set_(m.norm.weight, uniform(m.norm.weight.shape, 40.0, 80.0))
+        elif name == "nemotron_h":
+            m = model.model
+            set_(m.embeddings.weight, normal(m.embeddings.weight.shape, 1.0))
+            for layer in m.layers:
+                set_(layer.norm.weight, uniform(layer.norm.weight.shape, 0.6, 1.4))
+                mixer = layer.mixer
+                if layer.block_type == "linear_attention":
+                    mamba_mixer_(mixer)
+                elif layer.block_type == "full_attention":
+                    for lin in (mixer.q_proj, mixer.k_proj, mixer.v_proj):
+                        linear_(lin, gain=2.0)
+                    linear_(mixer.o_proj, gain=1.5)
+                elif layer.block_type == "mlp":
+                    linear_(mixer.up_proj, gain=2.0)
+                    linear_(mixer.down_proj)
+                else:
+                    gw = mixer.gate.weight
+                    set_(gw, normal(gw.shape, 3.0 / math.sqrt(gw.shape[1])))
+                    cb = mixer.gate.e_score_correction_bias
+                    set_(cb, normal(cb.shape, 0.3))
+                    up, down = mixer.experts.up_proj, mixer.experts.down_proj  # [E, I, H], [E, H, I]
+                    set_(up, normal(up.shape, 2.0 / math.sqrt(up.shape[2])))
+                    set_(down, normal(down.shape, 1.0 / math.sqrt(down.shape[2])))
+                    linear_(mixer.shared_experts.up_proj, gain=2.0)
+                    linear_(mixer.shared_experts.down_proj)
+            set_(m.norm_f.weight, uniform(m.norm_f.weight.shape, 0.6, 1.4))
+            linear_(model.lm_head, gain=4.0)
         else:
             raise KeyError(name)
 
@@ -410,6 +481,11 @@ def _torch_part(families: list[str]) -> None:
                 for layer in model.model.layers:
                     r = layer.block_sparse_moe.router
                     self.handles.append(r.register_forward_hook(self._granite(r.top_k)))
+            elif name == "nemotron_h":
+                for layer in model.model.layers:
+                    if layer.block_type == "moe":
+                        r = layer.mixer.gate
+                        self.handles.append(r.register_forward_hook(self._nemotron(r)))
 
         def _update(self, scores, k):
             s = torch.sort(scores.float(), dim=-1, descending=True).values
@@ -426,6 +502,20 @@ def _torch_part(families: list[str]) -> None:
         def _granite(self, k):
             def hook(mod, inp, out):
                 self._update(out[0], k)  # selection is on the raw logits
+
+            return hook
+
+        def _nemotron(self, router):
+            def hook(mod, inp, out):
+                # the choice ranks sigmoid(logits) + bias within the best groups:
+                # both the group ranking and the expert ranking must be clear
+                biased = out[0].float().sigmoid() + router.e_score_correction_bias
+                grouped = biased.view(biased.shape[0], router.num_group, -1)
+                group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+                self._update(group_scores, router.topk_group)
+                best = group_scores.argmax(-1) if router.topk_group == 1 else None
+                assert best is not None, "the margin check handles topk_group 1"
+                self._update(grouped[torch.arange(grouped.shape[0]), best], router.top_k)
 
             return hook
 
@@ -528,6 +618,12 @@ def _torch_part(families: list[str]) -> None:
             # transformers default (0, inf) then applies
             c.pop("time_step_limit", None)
             c["normalization_function"] = "rmsnorm"
+        elif name == "nemotron_h":
+            # published Nemotron-H configs spell the layers as a pattern string
+            pattern = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+            c["hybrid_override_pattern"] = "".join(pattern[t] for t in c.pop("layers_block_type"))
+            c["num_hidden_layers"] = len(c["hybrid_override_pattern"])
+            c["time_step_limit"] = [0.0, math.inf]
         return dict(sorted(c.items()))
 
     g = torch.Generator().manual_seed(12345)
@@ -696,6 +792,8 @@ def _torch_part(families: list[str]) -> None:
                 "(decode); eager attention",
                 "granitemoehybrid": "GraniteMoeHybridMambaLayer.forward -> mamba2_chunk_scan / "
                 "mamba2_selective_state_update; eager attention",
+                "nemotron_h": "NemotronHMamba2Mixer.forward -> mamba2_chunk_scan / "
+                "mamba2_selective_state_update; eager attention; eager experts",
             }[name],
             "no_kernels": "fla, causal_conv1d and mamba_ssm not importable; hub kernels "
             "never requested (no kernelize / use_kernels)",

@@ -29,9 +29,12 @@ def run(args) -> int:
     if args.layer_trace:
         ids = model.tokenizer.encode(args.prompt)
         print(f"layer trace: one forward of {len(ids)} tokens")
-        for timing, cache in zip(model.engine.layer_trace(ids, caches), caches):
-            print(f"  layer {timing.layer_index:>3}  {cache.spec.layer_type:<11} {timing.seconds * 1e3:8.2f} ms  "
-                  f"output {list(timing.output_shape)}  cache {format_bytes(cache.nbytes_live)}")  # fmt: skip
+        along = model.network.along_layers(caches)
+        for timing in model.engine.layer_trace(ids, caches):
+            cache = along[timing.layer_index]
+            held = ("none", "-") if cache is None else (cache.spec.layer_type, format_bytes(cache.nbytes_live))
+            print(f"  layer {timing.layer_index:>3}  {held[0]:<11} {timing.seconds * 1e3:8.2f} ms  "
+                  f"output {list(timing.output_shape)}  cache {held[1]}")  # fmt: skip
     print(f"{'layer':>5}  {'type':<11} {'scheme':<12} {'window':<28} {'shape':<24} {'dtype':<9} {'allocated':>10} {'live':>10}")
     kinds = layer_kinds(model.options)
     for cache, window in zip(caches, cache_windows(caches)):

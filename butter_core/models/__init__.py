@@ -12,7 +12,7 @@ from types import ModuleType
 from typing import Any
 
 from butter_core.errors import ModelLoadError
-from butter_core.models import granitemoehybrid, llama, mamba2, qwen3, qwen3_next
+from butter_core.models import granitemoehybrid, llama, mamba2, nemotron_h, qwen3, qwen3_next
 from butter_core.models.base import DecoderModel, ModelArgs
 
 FAMILIES: tuple[ModuleType, ...] = (
@@ -21,6 +21,7 @@ FAMILIES: tuple[ModuleType, ...] = (
     mamba2,
     qwen3_next,
     granitemoehybrid,
+    nemotron_h,
 )
 
 

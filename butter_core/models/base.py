@@ -277,6 +277,32 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
 
 
+class GroupedAttention(nn.Module):
+    """GQA attention at a given ``scale``, RoPE'd where a ``rope`` is given (else NoPE), for the
+    families whose attention differs from Llama's only in those (Granite 4.0-H, Nemotron-H)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *, scale: float, bias: bool,
+                 rope: RopeConfig | None):  # fmt: skip
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, scale
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.rope = None if rope is None else RoPE(head_dim, rope)
+
+    def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
+        batch, tokens, _ = x.shape
+        q = self.q_proj(x).reshape(batch, tokens, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.rope is not None:
+            offset = 0 if cache is None else cache.absolute_position
+            q, k = self.rope(q, offset), self.rope(k, offset)
+        out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
@@ -315,17 +341,67 @@ class Backbone(nn.Module):
         self.norm = nn.RMSNorm(hidden_size, eps=norm_eps)
 
 
-class LanguageModel(nn.Module):
-    """What the families' models share: token ids in, next-token logits out.
+class LayerStack(nn.Module):
+    """What every family's model shares: token ids in, next-token logits out, its ``layers`` run in turn.
 
-    ``model.embed_tokens``, ``model.layers`` and ``model.norm`` (Hugging Face's names), then the
-    LM head (the embedding where ``args.tie_word_embeddings``). ``caches`` holds one cache per
-    layer (``make_layer_caches``): each layer is called as ``layer(h, cache)``. Without caches
-    the model recomputes the given tokens from scratch, each layer called as ``layer(h, None,
-    mask)`` with the causal mask narrowed to its window (``windows``; default the family's own,
-    ``layer_windows()``) — what a window-evicting cache must match. A family adds
-    ``layer_specs``, ``describe`` and, where its checkpoints come in other layouts,
-    ``checkpoint_layout``; it overrides ``embed`` or ``logits`` where it scales them.
+    ``caches`` holds one cache per ``layer_specs`` entry (``make_layer_caches``), laid along the
+    layers by ``along_layers`` (one each, unless some layers keep no state): each layer is
+    called as ``layer(h, cache)``. Without caches the model recomputes the given tokens from
+    scratch, each layer called as ``layer(h, None, mask)`` with the causal mask narrowed to its
+    window (``windows``, one per ``layer_specs`` entry like the caches; default the family's own,
+    ``layer_windows()``) — what a window-evicting cache must match. A subclass provides
+    ``layers``, ``embed``, ``final_norm``, ``logits``, ``layer_specs`` and ``describe``, and
+    ``checkpoint_layout`` where its checkpoints come in other layouts.
+    """
+
+    layers: list[nn.Module]
+
+    def layer_windows(self) -> list[Window | None]:
+        """Per ``layer_specs`` entry, the window the family bounds its attention by (None: none).
+        A family whose layers do not all keep state overrides this and ``along_layers``."""
+        return [None] * len(self.layers)
+
+    def along_layers(self, per_spec: Sequence[Any] | None) -> list[Any]:
+        """``per_spec`` (caches or windows, one per ``layer_specs`` entry) along ``self.layers``,
+        None at layers that keep no state (and everywhere for ``None``)."""
+        return [None] * len(self.layers) if per_spec is None else list(per_spec)
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        """``[batch, tokens]`` ids to ``[batch, tokens, hidden]`` embeddings."""
+        raise NotImplementedError
+
+    def final_norm(self, hidden: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Project hidden states onto the vocabulary."""
+        raise NotImplementedError
+
+    def hidden_states(
+        self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows: Sequence[Window | None] | None = None
+    ) -> mx.array:
+        """Final-norm hidden states ``[batch, tokens, hidden]``."""
+        h = self.embed(token_ids)
+        if caches is None:
+            windows = self.along_layers(self.layer_windows() if windows is None else windows)
+            masks = {window: window_mask(h.shape[1], window) for window in set(windows)}
+            for layer, window in zip(self.layers, windows, strict=True):
+                h = layer(h, None, masks[window])
+        else:
+            for layer, cache in zip(self.layers, self.along_layers(caches), strict=True):
+                h = layer(h, cache)
+        return self.final_norm(h)
+
+    def __call__(
+        self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows: Sequence[Window | None] | None = None
+    ) -> mx.array:
+        return self.logits(self.hidden_states(token_ids, caches, windows))
+
+
+class LanguageModel(LayerStack):
+    """A family named the Llama way: ``model.embed_tokens``, ``model.layers`` and ``model.norm``
+    (Hugging Face's names), then the LM head (the embedding where ``args.tie_word_embeddings``).
+    A family overrides ``embed`` or ``logits`` where it scales them.
     """
 
     def __init__(self, args, layers: list[nn.Module]):
@@ -344,40 +420,17 @@ class LanguageModel(nn.Module):
         """The activation dtype: that of the final norm's weight."""
         return self.model.norm.weight.dtype
 
-    def layer_windows(self) -> list[Window | None]:
-        """Per layer, the window the family bounds its attention by (None: none)."""
-        return [None] * len(self.layers)
-
     def embed(self, token_ids: mx.array) -> mx.array:
-        """``[batch, tokens]`` ids to ``[batch, tokens, hidden]`` embeddings."""
         return self.model.embed_tokens(token_ids)
 
-    def hidden_states(
-        self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows: Sequence[Window | None] | None = None
-    ) -> mx.array:
-        """Final-norm hidden states ``[batch, tokens, hidden]``."""
-        h = self.embed(token_ids)
-        if caches is None:
-            windows = self.layer_windows() if windows is None else windows
-            masks = {window: window_mask(h.shape[1], window) for window in set(windows)}
-            for layer, window in zip(self.layers, windows, strict=True):
-                h = layer(h, None, masks[window])
-        else:
-            for layer, cache in zip(self.layers, caches, strict=True):
-                h = layer(h, cache)
-        return self.model.norm(h)
+    def final_norm(self, hidden: mx.array) -> mx.array:
+        return self.model.norm(hidden)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states onto the vocabulary (the tied embedding where the config says so)."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
-
-    def __call__(
-        self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows: Sequence[Window | None] | None = None
-    ) -> mx.array:
-        return self.logits(self.hidden_states(token_ids, caches, windows))
-
 
 class DecoderModel(LanguageModel):
     """A Llama-shaped decoder: every layer attention, optionally a sliding window on some."""

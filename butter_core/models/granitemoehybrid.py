@@ -27,7 +27,6 @@ the up projection's rows, ``output_linear`` as the down projection; a dense mode
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,11 @@ import attrs
 import mlx.core as mx
 from mlx import nn
 
-from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
+from butter_core.cache import LayerCache, LayerSpec, Mask
 from butter_core.loading.checkpoint import TensorEntry
-from butter_core.models.base import MLP, LanguageModel, RoPE, RopeConfig, attend_through, read_rope
+from butter_core.models.base import MLP, GroupedAttention, LanguageModel, RopeConfig, read_rope
 from butter_core.models.config_values import ConfigReader
-from butter_core.models.mamba2 import Mamba2Layer, Mamba2Shape, conv_weights_as_stored
+from butter_core.models.mamba2 import Mamba2Layer, Mamba2Shape, conv_weights_as_stored, read_mamba2_shape
 from butter_core.models.moe import SwiGLUExperts, sliced_entry, swiglu, top_k_softmax
 from butter_core.recurrent import StateSpec
 
@@ -83,33 +82,6 @@ class GraniteArgs:
 
     def layer_indices(self, kind: str) -> list[int]:
         return [index for index, layer_type in enumerate(self.layer_types) if layer_type == kind]
-
-
-class GraniteAttention(nn.Module):
-    """GQA attention scaled by ``attention_multiplier``, NoPE unless the config asks for RoPE; the K/V
-    history lives in the layer's ``AttentionCache``."""
-
-    def __init__(self, args: GraniteArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        self.scale = args.attention_multiplier
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
-        self.rope = None if args.rope is None else RoPE(self.head_dim, args.rope)
-
-    def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
-        batch, tokens, _ = x.shape
-        q = self.q_proj(x).reshape(batch, tokens, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        if self.rope is not None:
-            offset = 0 if cache is None else cache.absolute_position
-            q, k = self.rope(q, offset), self.rope(k, offset)
-        out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
 
 
 class Router(nn.Module):
@@ -163,7 +135,10 @@ class GraniteLayer(nn.Module):
         if layer_type == MAMBA:
             self.mamba = Mamba2Layer(args.mamba)
         else:
-            self.self_attn = GraniteAttention(args)
+            self.self_attn = GroupedAttention(
+                args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                scale=args.attention_multiplier, bias=args.attention_bias, rope=args.rope,
+            )  # fmt: skip
         if args.num_experts:
             self.block_sparse_moe = MoE(args)
             self.shared_mlp = SharedMLP(args.hidden_size, args.shared_intermediate_size)
@@ -267,6 +242,14 @@ def read_layer_types(read: ConfigReader, layers: int) -> tuple[str, ...]:
     return tuple(LAYER_TYPE_SPELLINGS[t] for t in given)
 
 
+MAMBA_KEYS = {
+    "n_groups": ("mamba_n_groups", 1), "state_size": ("mamba_d_state", 256), "conv_kernel": ("mamba_d_conv", 4),
+    "use_conv_bias": ("mamba_conv_bias", True), "use_bias": ("mamba_proj_bias", False), "norm_eps": ("rms_norm_eps", 1e-6),
+    "chunk_size": ("mamba_chunk_size", 256), "num_heads": ("mamba_n_heads", 128),
+}  # fmt: skip
+"""Granite's keys for the Mamba2 mixers' sizes, with transformers' defaults (the head size is computed)."""
+
+
 def read_mamba_shape(read: ConfigReader) -> Mamba2Shape:
     """The Mamba2 mixers' sizes from Granite's ``mamba_*`` keys (transformers' defaults where absent)."""
     hidden = read.int("hidden_size")
@@ -280,23 +263,7 @@ def read_mamba_shape(read: ConfigReader) -> Mamba2Shape:
         head_dim = read.int("mamba_d_head")
     if heads * head_dim != inner:
         read.fail(f"mamba_n_heads * mamba_d_head ({heads} * {head_dim}) must be mamba_expand * hidden_size ({inner})")
-    groups = read.int("mamba_n_groups", 1)
-    if heads % groups:
-        read.fail(f"mamba_n_heads ({heads}) must be a multiple of mamba_n_groups ({groups})")
-    low, high = read.floats("time_step_limit", 2, (0.0, math.inf))
-    return Mamba2Shape(
-        hidden_size=hidden,
-        num_heads=heads,
-        head_dim=head_dim,
-        state_size=read.int("mamba_d_state", 256),
-        n_groups=groups,
-        conv_kernel=read.int("mamba_d_conv", 4),
-        use_conv_bias=read.bool("mamba_conv_bias", True),
-        use_bias=read.bool("mamba_proj_bias", False),
-        norm_eps=read.float("rms_norm_eps", 1e-6),
-        time_step_limit=(low, high),
-        chunk_size=read.int("mamba_chunk_size", 256),
-    )
+    return read_mamba2_shape(read, MAMBA_KEYS, num_heads=heads, head_dim=head_dim)
 
 
 def read_position_embedding(read: ConfigReader) -> RopeConfig | None:

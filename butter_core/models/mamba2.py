@@ -14,7 +14,6 @@ one ``mlx_lm.convert`` writes (``[C, K, 1]``, optionally MLX-quantized projectio
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,9 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from butter_core.cache import LayerCache
-from butter_core.config import Window
+from butter_core.cache import Mask
 from butter_core.loading.checkpoint import TensorEntry
+from butter_core.models.base import LayerStack
 from butter_core.models.config_values import ConfigReader
 from butter_core.recurrent import MAMBA2, Mamba2Mixer, StateCache, StateSpec
 from butter_core.recurrent_ops import gate_then_rms_norm
@@ -65,25 +64,42 @@ class Mamba2Shape:
                          dtype=dtype, layer_index=layer_index)  # fmt: skip
 
 
-def read_mamba2_shape(read: ConfigReader) -> Mamba2Shape:
-    """A Mamba2 mixer's sizes from a ``Mamba2ForCausalLM`` config, every problem a ModelLoadError
-    naming the file and key (Granite 4.0-H names them its own way: ``granitemoehybrid``)."""
-    heads, groups = read.int("num_heads"), read.int("n_groups", 1)
+MAMBA2_KEYS = {
+    "num_heads": ("num_heads", None), "head_dim": ("head_dim", None), "state_size": ("state_size", None),
+    "n_groups": ("n_groups", 1), "conv_kernel": ("conv_kernel", 4), "use_conv_bias": ("use_conv_bias", True),
+    "use_bias": ("use_bias", False), "norm_eps": ("layer_norm_epsilon", 1e-5), "chunk_size": ("chunk_size", 256),
+}  # fmt: skip
+"""``Mamba2ForCausalLM``'s config key and default (None: required) for each ``Mamba2Shape`` field;
+the hybrid families spell them their own way."""
+
+
+def read_mamba2_shape(read: ConfigReader, keys: dict[str, tuple[str, Any]] = MAMBA2_KEYS, **given: Any) -> Mamba2Shape:
+    """A Mamba2 mixer's sizes from a config whose keys ``keys`` names (default ``Mamba2ForCausalLM``'s),
+    fields in ``given`` computed by the family instead; every problem a ModelLoadError naming the
+    file and key."""
+
+    def field(name: str, kind: str) -> Any:
+        if name in given:
+            return given[name]
+        key, default = keys[name]
+        return getattr(read, kind)(key) if default is None else getattr(read, kind)(key, default)
+
+    heads, groups = field("num_heads", "int"), field("n_groups", "int")
     if heads % groups:
-        read.fail(f"num_heads ({heads}) must be a multiple of n_groups ({groups})")
+        read.fail(f"{keys['num_heads'][0]} ({heads}) must be a multiple of {keys['n_groups'][0]} ({groups})")
     low, high = read.floats("time_step_limit", 2, (0.0, math.inf))
     return Mamba2Shape(
         hidden_size=read.int("hidden_size"),
         num_heads=heads,
-        head_dim=read.int("head_dim"),
-        state_size=read.int("state_size"),
+        head_dim=field("head_dim", "int"),
+        state_size=field("state_size", "int"),
         n_groups=groups,
-        conv_kernel=read.int("conv_kernel", 4),
-        use_conv_bias=read.bool("use_conv_bias", True),
-        use_bias=read.bool("use_bias", False),
-        norm_eps=read.float("layer_norm_epsilon", 1e-5),
+        conv_kernel=field("conv_kernel", "int"),
+        use_conv_bias=field("use_conv_bias", "bool"),
+        use_bias=field("use_bias", "bool"),
+        norm_eps=field("norm_eps", "float"),
         time_step_limit=(low, high),
-        chunk_size=read.int("chunk_size", 256),
+        chunk_size=field("chunk_size", "int"),
     )
 
 
@@ -171,29 +187,35 @@ class Mamba2Block(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
         self.mixer = Mamba2Layer(args.mixer)
 
-    def __call__(self, x: mx.array, cache: StateCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: StateCache | None, mask: Mask = "causal") -> mx.array:
+        """``mask`` is unused: a recurrent layer sees every earlier token."""
         residual = x.astype(mx.float32) if self.residual_in_fp32 else x
         out = self.mixer(self.norm(x.astype(self.norm.weight.dtype)), cache)
         return (residual + out).astype(out.dtype)
 
 
 class Backbone(nn.Module):
-    """Hugging Face's ``backbone.``: embeddings, blocks, final norm."""
+    """Hugging Face's ``backbone.``: embeddings, blocks, final norm (Mamba2's names, Nemotron-H's too)."""
 
-    def __init__(self, args: Mamba2Args):
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], norm_eps: float):
         super().__init__()
-        self.embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [Mamba2Block(args) for _ in range(args.num_hidden_layers)]
-        self.norm_f = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
+        self.embeddings = nn.Embedding(vocab_size, hidden_size)
+        self.layers = layers
+        self.norm_f = nn.RMSNorm(hidden_size, eps=norm_eps)
 
 
-class Mamba2Model(nn.Module):
-    """A Mamba2 language model: token ids in, next-token logits out, one state cache per layer."""
+class Mamba2Model(LayerStack):
+    """A Mamba2 language model: token ids in, next-token logits out, one state cache per layer.
 
-    def __init__(self, args: Mamba2Args):
+    The families named the Mamba way (``backbone.embeddings``, ``backbone.norm_f``) derive from
+    it, passing their own ``layers``.
+    """
+
+    def __init__(self, args, layers: list[nn.Module] | None = None):
         super().__init__()
         self.args = args
-        self.backbone = Backbone(args)
+        layers = [Mamba2Block(args) for _ in range(args.num_hidden_layers)] if layers is None else layers
+        self.backbone = Backbone(args.vocab_size, args.hidden_size, layers, args.norm_eps)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -209,9 +231,6 @@ class Mamba2Model(nn.Module):
         """Each layer's state; a recurrent model has no context bound."""
         return [self.args.mixer.state_spec(self.dtype, index) for index in range(self.args.num_hidden_layers)]
 
-    def layer_windows(self) -> list[Window | None]:
-        return [None] * self.args.num_hidden_layers
-
     def describe(self) -> str:
         a, m = self.args, self.args.mixer
         return (f"family {a.model_type}: {a.num_hidden_layers} Mamba2 layers, hidden {a.hidden_size}, "
@@ -220,19 +239,13 @@ class Mamba2Model(nn.Module):
     def embed(self, token_ids: mx.array) -> mx.array:
         return self.backbone.embeddings(token_ids)
 
-    def hidden_states(self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows=None) -> mx.array:
-        h = self.embed(token_ids)
-        for layer, cache in zip(self.layers, caches or [None] * len(self.layers), strict=True):
-            h = layer(h, cache)
-        return self.backbone.norm_f(h.astype(self.dtype))
+    def final_norm(self, hidden: mx.array) -> mx.array:
+        return self.backbone.norm_f(hidden.astype(self.dtype))
 
     def logits(self, hidden: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
             return self.backbone.embeddings.as_linear(hidden)
         return self.lm_head(hidden)
-
-    def __call__(self, token_ids: mx.array, caches: Sequence[LayerCache] | None = None, windows=None) -> mx.array:
-        return self.logits(self.hidden_states(token_ids, caches))
 
     def checkpoint_layout(self, entries: dict[str, TensorEntry]) -> dict[str, Any]:
         return conv_weights_as_stored(entries)

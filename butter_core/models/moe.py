@@ -1,5 +1,5 @@
-"""Mixture-of-experts pieces the MoE families share: stacked expert projections, SwiGLU experts
-over them, the routers' top-k choices, and checkpoint helpers that stack per-expert tensors.
+"""Mixture-of-experts pieces the MoE families share: stacked expert projections, SwiGLU and ReLU²
+experts over them, the routers' top-k choices, and checkpoint helpers that stack per-expert tensors.
 
 * :class:`StackedLinear` holds ``num_experts`` projections as one ``[E, out, in]`` weight and
   applies, per token, the ones its router chose (``mx.gather_mm``); ``to_quantized`` gives
@@ -11,11 +11,14 @@ over them, the routers' top-k choices, and checkpoint helpers that stack per-exp
   by expert for long inputs (each expert's rows then read once, contiguously), optionally
   summed with the router's weights. Parameter names ``gate_proj``/``up_proj``/``down_proj``,
   each ``[E, out, in]``: mlx-lm's ``switch_mlp`` layout.
+* :class:`ReLU2Experts`: ``fc2(relu(fc1(x))²)``, ungated (Nemotron-H), mlx-lm's names; both
+  derive from :class:`Experts`, which routes tokens to the chosen experts.
 * Routers: :func:`softmax_top_k` (softmax over all experts, then the top k, optionally
-  renormalised: Qwen2/3-MoE, Qwen3-Next, OLMoE) and :func:`top_k_softmax` (the top k logits,
-  then a softmax over them: Mixtral, Granite).
-* :func:`stacked_entry` / :func:`sliced_entry` map a checkpoint's per-expert or fused tensors
-  onto a stacked parameter, for a family's ``checkpoint_layout``.
+  renormalised: Qwen2/3-MoE, Qwen3-Next, OLMoE), :func:`top_k_softmax` (the top k logits,
+  then a softmax over them: Mixtral, Granite) and :func:`grouped_sigmoid_top_k` (sigmoid
+  scores, a correction bias and group-limited choice: DeepSeek-V3, Nemotron-H).
+* :func:`stacked_entry` / :func:`experts_stacked` / :func:`sliced_entry` map a checkpoint's
+  per-expert or fused tensors onto a stacked parameter, for a family's ``checkpoint_layout``.
 
 No host synchronisation anywhere: the expert choice stays on the device.
 """
@@ -47,6 +50,12 @@ blocks of 8, 83 in blocks of 16, 65 in blocks of 32; larger blocks pad more rows
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) · up``, fused into one kernel."""
     return gate * mx.sigmoid(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def relu2(x: mx.array) -> mx.array:
+    """``relu(x)²`` (Nemotron-H's ``relu2``), fused into one kernel."""
+    return mx.square(mx.maximum(x, 0))
 
 
 class StackedLinear(nn.Module):
@@ -131,19 +140,22 @@ class QuantizedStackedLinear(nn.Module):
         return y
 
 
-class SwiGLUExperts(nn.Module):
-    """``num_experts`` SwiGLU feed-forwards, ``down(silu(gate(x)) · up(x))``, over stacked weights."""
+class Experts(nn.Module):
+    """``num_experts`` feed-forwards over stacked weights, applied to each token's chosen experts.
 
-    def __init__(self, input_dims: int, hidden_dims: int, num_experts: int, *, bias: bool = False):
-        super().__init__()
-        self.gate_proj = StackedLinear(input_dims, hidden_dims, num_experts, bias=bias)
-        self.up_proj = StackedLinear(input_dims, hidden_dims, num_experts, bias=bias)
-        self.down_proj = StackedLinear(hidden_dims, input_dims, num_experts, bias=bias)
+    A subclass defines the projections and ``experts`` (one expert's feed-forward on gathered
+    rows); this class routes tokens to it: gathered in token order for a few pairs (a decode
+    step), sorted by expert for many (a prompt's chunk), in blocks on the CPU (``in_blocks``).
+    """
 
     def experts(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
         """The chosen experts applied to rows ``x`` ``[..., 1, D]`` -> ``[..., 1, D]``."""
-        hidden = swiglu(self.gate_proj(x, indices, sorted_indices), self.up_proj(x, indices, sorted_indices))
-        return self.down_proj(hidden, indices, sorted_indices)
+        raise NotImplementedError
+
+    @property
+    def first_projection(self) -> nn.Module:
+        """The projection the input meets first (its expert count and storage decide the path)."""
+        raise NotImplementedError
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array | None = None) -> mx.array:
         """Each token's chosen experts: ``x`` ``[..., D]``, ``indices`` ``[..., k]`` (integer expert
@@ -166,8 +178,8 @@ class SwiGLUExperts(nn.Module):
     def blocked(self, pairs: int) -> bool:
         """Whether ``pairs`` token-expert pairs run as blocks of ``BLOCK`` rows per expert
         (``in_blocks``): on the CPU, with dense weights, for pairs enough to share experts."""
-        experts = self.gate_proj.num_experts
-        return (pairs >= max(SORT_THRESHOLD, 2 * experts) and isinstance(self.gate_proj, StackedLinear)
+        experts = self.first_projection.num_experts
+        return (pairs >= max(SORT_THRESHOLD, 2 * experts) and isinstance(self.first_projection, StackedLinear)
                 and not default_device_is_gpu())  # fmt: skip
 
     def in_blocks(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
@@ -180,7 +192,7 @@ class SwiGLUExperts(nn.Module):
         layout is computed on the device, sized for the worst case: no host synchronisation.
         """
         k, dims = indices.shape[-1], x.shape[-1]
-        experts = self.gate_proj.num_experts
+        experts = self.first_projection.num_experts
         flat = indices.reshape(-1).astype(mx.int32)
         pairs = flat.size
         order = mx.argsort(flat)
@@ -199,6 +211,41 @@ class SwiGLUExperts(nn.Module):
         y = y.reshape(-1, dims)[position] * weights.reshape(-1)[order][:, None].astype(y.dtype)
         out = mx.zeros((pairs // k, dims), dtype=y.dtype).at[order // k].add(y)
         return out.reshape(*indices.shape[:-1], dims)
+
+
+class SwiGLUExperts(Experts):
+    """SwiGLU experts, ``down(silu(gate(x)) · up(x))``; mlx-lm's ``switch_mlp`` names."""
+
+    def __init__(self, input_dims: int, hidden_dims: int, num_experts: int, *, bias: bool = False):
+        super().__init__()
+        self.gate_proj = StackedLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.up_proj = StackedLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.down_proj = StackedLinear(hidden_dims, input_dims, num_experts, bias=bias)
+
+    @property
+    def first_projection(self) -> nn.Module:
+        return self.gate_proj
+
+    def experts(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        hidden = swiglu(self.gate_proj(x, indices, sorted_indices), self.up_proj(x, indices, sorted_indices))
+        return self.down_proj(hidden, indices, sorted_indices)
+
+
+class ReLU2Experts(Experts):
+    """Ungated experts with a squared ReLU, ``fc2(relu(fc1(x))²)`` (Nemotron-H); mlx-lm's
+    ``switch_mlp.fc1``/``fc2`` names."""
+
+    def __init__(self, input_dims: int, hidden_dims: int, num_experts: int, *, bias: bool = False):
+        super().__init__()
+        self.fc1 = StackedLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.fc2 = StackedLinear(hidden_dims, input_dims, num_experts, bias=bias)
+
+    @property
+    def first_projection(self) -> nn.Module:
+        return self.fc1
+
+    def experts(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        return self.fc2(relu2(self.fc1(x, indices, sorted_indices)), indices, sorted_indices)
 
 
 def softmax_top_k(logits: mx.array, k: int, *, normalize: bool) -> tuple[mx.array, mx.array]:
@@ -221,6 +268,31 @@ def top_k_softmax(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return indices, mx.softmax(chosen, axis=-1, precise=True).astype(logits.dtype)
 
 
+def grouped_sigmoid_top_k(
+    logits: mx.array, correction_bias: mx.array, k: int, *, groups: int, top_groups: int, normalize: bool, scale: float
+) -> tuple[mx.array, mx.array]:
+    """``(indices, weights)`` ``[..., k]`` by DeepSeek-V3's router (Nemotron-H's MoE layers).
+
+    Scores are the sigmoids of ``logits`` (float32); the choice ranks ``score + correction_bias``,
+    limited to the ``top_groups`` of ``groups`` equal groups of experts whose two best biased
+    scores sum highest; the weights are the chosen experts' unbiased scores, renormalised to sum
+    to 1 if ``normalize``, times ``scale``.
+    """
+    scores = mx.sigmoid(logits.astype(mx.float32))
+    choice = scores + correction_bias.astype(mx.float32)
+    if top_groups < groups:
+        grouped = choice.reshape(*choice.shape[:-1], groups, -1)
+        group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)
+        dropped = mx.argpartition(group_scores, kth=groups - top_groups - 1, axis=-2)[..., : groups - top_groups, :]
+        grouped = mx.put_along_axis(grouped, dropped, mx.array(-mx.inf, dtype=grouped.dtype), axis=-2)
+        choice = grouped.reshape(choice.shape)
+    indices = mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k]
+    weights = mx.take_along_axis(scores, indices, axis=-1)
+    if normalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return indices, (weights * scale).astype(logits.dtype)
+
+
 def stacked_entry(sources: Sequence[TensorEntry]) -> tuple[TensorEntry, Any]:
     """A ``checkpoint_layout`` value: the experts' tensors ``sources`` (same shape, in expert
     order) read as one stacked tensor ``[E, *shape]``."""
@@ -234,6 +306,37 @@ def stacked_entry(sources: Sequence[TensorEntry]) -> tuple[TensorEntry, Any]:
         )
     seen = attrs.evolve(first, shape=(len(sources), *first.shape))
     return seen, Derived(tuple(sources), mx.stack)
+
+
+def experts_stacked(
+    entries: dict[str, TensorEntry], marker: str, target: str, projections: dict[str, str], num_experts: int
+) -> dict[str, Any]:
+    """A ``checkpoint_layout`` piece: per-expert tensors ``<layer><marker><e>.<projection>.weight``
+    read as stacked ``<layer><target>.<projections[projection]>.weight`` ``[E, out, in]``.
+
+    A layer with some experts' tensor but not all is a ModelLoadError naming the first missing;
+    tensors of other names stay as they are, for the loader to name.
+    """
+    by_layer: dict[str, dict[str, TensorEntry]] = {}
+    for name, entry in entries.items():
+        layer, rest = name.split(marker, 1)
+        by_layer.setdefault(layer, {})[rest] = entry
+    stacked: dict[str, Any] = {}
+    for layer, tensors in by_layer.items():
+        for projection, name in projections.items():
+            keys = [f"{e}.{projection}.weight" for e in range(num_experts)]
+            present = [k for k in keys if k in tensors]
+            if not present:
+                continue
+            missing = [k for k in keys if k not in tensors]
+            if missing:
+                raise ModelLoadError(
+                    f"{tensors[present[0]].file}: missing tensor '{layer}{marker}{missing[0]}' "
+                    f"(the layer's other {len(present)} experts are there)"
+                )
+            stacked[f"{layer}{target}.{name}.weight"] = stacked_entry([tensors.pop(k) for k in keys])
+        stacked.update({f"{layer}{marker}{rest}": entry for rest, entry in tensors.items()})
+    return stacked
 
 
 def sliced_entry(source: TensorEntry, axis: int, start: int, stop: int) -> tuple[TensorEntry, Any]:

@@ -44,7 +44,7 @@ from butter_core.errors import ModelLoadError
 from butter_core.loading.checkpoint import TensorEntry
 from butter_core.models.base import MLP, LanguageModel, RoPE, RopeConfig, attend_through, read_rope
 from butter_core.models.config_values import ConfigReader
-from butter_core.models.moe import SwiGLUExperts, sliced_entry, softmax_top_k, stacked_entry
+from butter_core.models.moe import SwiGLUExperts, experts_stacked, sliced_entry, softmax_top_k
 from butter_core.recurrent import GATED_DELTA, GatedDeltaMixer, StateCache, StateSpec
 
 ARCHITECTURES = ("Qwen3NextForCausalLM",)
@@ -357,38 +357,27 @@ def _stacked_experts(args: Qwen3NextArgs, experts: dict[str, TensorEntry]) -> di
     """Hugging Face's experts as the model's stacked ``switch_mlp`` tensors: per expert
     ``experts.N.{gate,up,down}_proj.weight``, or transformers' fused ``experts.gate_up_proj``
     ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]``."""
-    by_layer: dict[str, dict[str, TensorEntry]] = {}
+    marker, target = ".mlp.experts.", ".mlp.switch_mlp"
+    fused: dict[str, Any] = {}
+    per_expert: dict[str, TensorEntry] = {}
     for name, entry in experts.items():
-        prefix, rest = name.split(".mlp.experts.", 1)
-        by_layer.setdefault(prefix, {})[rest] = entry
-    stacked: dict[str, Any] = {}
-    for prefix, tensors in by_layer.items():
-        target = f"{prefix}.mlp.switch_mlp"
-        if "gate_up_proj" in tensors:
-            fused = tensors.pop("gate_up_proj")
-            half = fused.shape[1] // 2 if len(fused.shape) == 3 else 0
-            stacked[f"{target}.gate_proj.weight"] = sliced_entry(fused, 1, 0, half)
-            stacked[f"{target}.up_proj.weight"] = sliced_entry(fused, 1, half, 2 * half)
-            if "down_proj" in tensors:
-                stacked[f"{target}.down_proj.weight"] = tensors.pop("down_proj")
-        for projection in ("gate_proj", "up_proj", "down_proj"):
-            names = [f"{e}.{projection}.weight" for e in range(args.num_experts)]
-            present = [n for n in names if n in tensors]
-            if not present:
-                continue
-            missing = [n for n in names if n not in tensors]
-            if missing:
-                raise ModelLoadError(
-                    f"{tensors[present[0]].file}: missing tensor '{prefix}.mlp.experts.{missing[0]}' "
-                    f"(the layer's other {len(present)} experts are there)"
-                )
-            if f"{target}.{projection}.weight" in stacked:
-                raise ModelLoadError(f"{tensors[present[0]].file}: '{prefix}.mlp.experts' holds both fused and "
-                                     f"per-expert {projection} tensors")  # fmt: skip
-            stacked[f"{target}.{projection}.weight"] = stacked_entry([tensors.pop(n) for n in names])
-        for rest, entry in tensors.items():  # anything else: left under its own name, for the loader to name
-            stacked[f"{prefix}.mlp.experts.{rest}"] = entry
-    return stacked
+        layer, rest = name.split(marker, 1)
+        if rest == "gate_up_proj":
+            half = entry.shape[1] // 2 if len(entry.shape) == 3 else 0
+            fused[f"{layer}{target}.gate_proj.weight"] = sliced_entry(entry, 1, 0, half)
+            fused[f"{layer}{target}.up_proj.weight"] = sliced_entry(entry, 1, half, 2 * half)
+        elif rest == "down_proj":
+            fused[f"{layer}{target}.down_proj.weight"] = entry
+        else:
+            per_expert[name] = entry
+    names = {p: p for p in ("gate_proj", "up_proj", "down_proj")}
+    stacked = experts_stacked(per_expert, marker, target, names, args.num_experts)
+    both = sorted(set(stacked) & set(fused))
+    if both:
+        layer = both[0].split(target)[0]
+        raise ModelLoadError(f"{experts[next(n for n in experts if n.startswith(layer + marker))].file}: "
+                             f"'{layer}{marker.rstrip('.')}' holds both fused and per-expert tensors")  # fmt: skip
+    return {**stacked, **fused}
 
 
 def _read_rope(read: ConfigReader, head_dim: int) -> tuple[RopeConfig, int]:
