@@ -50,12 +50,15 @@ class SlotBuffers:
     """
 
     def __init__(self, spec: LayerSpec, capacity: int, layout: Layout, step: int = GROWTH_STEP,
-                 stacks: Stacks | None = None):
+                 stacks: Stacks | None = None, row_stacks: Stacks | None = None):
         self.spec = spec
         self.capacity = capacity
         self.layout = layout
         self.step = step
         self.stacks = dict(stacks or {})
+        self.row_stacks = dict(row_stacks or self.stacks)
+        """How the rows written here may come stacked (``write_at`` unstacks them): the stacks of
+        the scheme that encoded them, whatever this storage keeps."""
         self._home: dict[str, tuple[str, int]] = {}
         """Stacked buffer -> (its stack, its index there)."""
         for stack, members in self.stacks.items():
@@ -142,6 +145,26 @@ class SlotBuffers:
         """Release every buffer."""
         self._storage = {}
 
+    def write_at(self, slots: mx.array, rows: dict[str, mx.array]) -> None:
+        """Scatter ``rows`` into arbitrary slots of a batch-1 storage: ``rows`` by buffer name (or by
+        stack, unstacked here), each ``[batch, heads, tokens, width]``, row ``(b, t)`` to slot
+        ``slots[b * tokens + t]`` (``slots`` ``[batch * tokens]``, allocated slots, distinct).
+        What a paged store writes with, one call per layer for every sequence of a step."""
+        if self.spec.batch_size != 1 or self.stacks:
+            raise ConfigError("write_at writes into an unstacked batch-1 storage (paged storage)")
+        for name, array in unstack(rows, self._row_stacks(rows)).items():
+            batch, heads, tokens, width = array.shape
+            flat = array.astype(self.layout[name][1]).transpose(1, 0, 2, 3).reshape(1, heads, batch * tokens, width)
+            self._storage[name][:, :, slots] = flat
+
+    def read_at(self, index: mx.array) -> dict[str, mx.array]:
+        """The rows of slots ``index`` (``[batch, length]``) of a batch-1 storage, by buffer name, each
+        ``[batch, heads, length, width]``: one sequence's pages per batch row, gathered."""
+        return {name: array[0][:, index].transpose(1, 0, 2, 3) for name, array in self._storage.items()}
+
+    def _row_stacks(self, rows: dict[str, mx.array]) -> Stacks:
+        return {key: self.row_stacks[key] for key in rows if key in self.row_stacks}
+
 
 def unstack(arrays: dict[str, mx.array], stacks: Stacks, length: int | None = None) -> dict[str, mx.array]:
     """Arrays keyed by stack (``[n, batch, heads, slots, width]``) or buffer name -> every
@@ -164,15 +187,34 @@ def unstack(arrays: dict[str, mx.array], stacks: Stacks, length: int | None = No
 
 
 class BufferedSlotCache(SlotCache):
-    """A ``SlotCache`` whose storage is one ``SlotBuffers``: subclasses write ``store`` and ``load``.
+    """A ``SlotCache`` whose storage is one ``SlotBuffers``: a scheme writes ``encode`` and ``decode``.
 
-    The buffers' layout gives state export/import, byte accounting and the list of
-    allocated arrays, so a scheme only says how rows are encoded and decoded.
+    ``encode(keys, values)`` turns rows into the buffers' rows, ``decode(rows)`` turns buffer
+    rows (by name, any batch and slot count) back into keys and values: pure functions of
+    their arrays, so the same code serves this cache's own slots (``store``, ``load``) and
+    any other storage of the layout — the pages of ``butter_core.batched``. A scheme may
+    still override ``store`` and ``load`` (a faster path over its whole buffers, state kept
+    beside the slots). The buffers' layout gives state export/import, byte accounting and
+    the list of allocated arrays.
     """
 
     def __init__(self, spec: LayerSpec, layout: Layout, stacks: Stacks | None = None):
         super().__init__(spec)
         self.slots = SlotBuffers(spec, self.capacity, layout, stacks=stacks)
+
+    def encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        """Rows for the buffers (by name, or by stack ``[n, ...]``), each ``[batch, heads, tokens, width]``."""
+        raise NotImplementedError(f"{type(self).__name__} does not define encode")
+
+    def decode(self, rows: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        """Keys and values ``[batch, heads, slots, head_dim]`` (floats) of ``rows`` by buffer name."""
+        raise NotImplementedError(f"{type(self).__name__} does not define decode")
+
+    def store(self, start, keys, values, position):
+        self.slots.write(start, self.encode(keys, values), live=self.length)
+
+    def load(self, length):
+        return self.decode(self.slots.read(length))
 
     def reserve(self, positions):
         self.slots.reserve(min(positions, self.capacity), live=self._length)

@@ -21,14 +21,15 @@ import numpy as np
 import pytest
 
 from butter_core import ConfigError, LayerSpec, LoadOptions, Window
-from butter_core.errors import ModelLoadError
 from butter_core.cache import ATTENTION
 from butter_core.cli import main
 from butter_core.engine import Engine, cache_windows
+from butter_core.errors import ModelLoadError
 from butter_core.loading.weights import WeightOptions, load_network
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 from butter_core.recurrent import StateCache
+from butter_core.testing.fixtures import example_kind
 from butter_core.testing.tiny_models import write_tokenizer
 from butter_core.window import WindowCache
 
@@ -152,19 +153,6 @@ HYBRIDS = [family for family in FAMILIES if family != "mamba2"]
 ATTENTION_SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items() if ATTENTION in r.scheme.layer_types)
 
 
-def _kind_for(scheme: str, head_dim: int):
-    """The scheme's first example that stores vectors of ``head_dim``."""
-    registered = get_plugin_host().schemes[scheme].scheme
-    for example in registered.examples:
-        kind = registered.parse(example)
-        try:
-            kind.check_layer(head_dim)
-        except ConfigError:
-            continue
-        return kind, registered.model_tolerance
-    pytest.skip(f"no example of {scheme} fits head_dim {head_dim}")
-
-
 @pytest.mark.usefixtures("state_scheme")
 @pytest.mark.parametrize("window", [None, Window(16, keep=4)], ids=["unbounded", "window16keep4"])
 @pytest.mark.parametrize("scheme", ATTENTION_SCHEMES)
@@ -179,7 +167,7 @@ def test_attention_layers_take_every_attention_scheme_and_the_window(family, sch
     # model_tolerance for (AURA keeps its newest 32-36 rows in full precision)
     prompt = reference(family, "hf")["prompt_ids"][:32]
     head_dim = next(s.head_dim for s in network.layer_specs(64) if isinstance(s, LayerSpec))
-    kind, tolerance = _kind_for(scheme, head_dim)
+    kind, tolerance = example_kind(scheme, head_dim)
     engine = Engine(network, LoadOptions(kv_cache=kind, kv_eviction=window), prefill_chunk=8)
     caches = engine.make_layer_caches()
     recurrent = [cache for cache in caches if isinstance(cache, StateCache)]

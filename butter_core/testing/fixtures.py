@@ -8,6 +8,8 @@ import pytest
 
 from butter_core.cache import LayerSpec
 from butter_core.config import CacheKind
+from butter_core.errors import ConfigError
+from butter_core.plugins import get_plugin_host
 
 
 @pytest.fixture
@@ -19,6 +21,20 @@ def on_the_cpu():
     choose it, since MLX's default device is then the CPU)."""
     with mx.stream(mx.cpu):
         yield
+
+
+def example_kind(scheme: str, head_dim: int) -> tuple[CacheKind, float | None]:
+    """The first of installed ``scheme``'s examples whose kind stores vectors of ``head_dim``, and
+    the scheme's ``model_tolerance``; skips the calling test when no example does."""
+    registered = get_plugin_host().schemes[scheme].scheme
+    for example in registered.examples:
+        kind = registered.parse(example)
+        try:
+            kind.check_layer(head_dim)
+        except ConfigError:
+            continue
+        return kind, registered.model_tolerance
+    pytest.skip(f"no example of {scheme} fits head_dim {head_dim}")
 
 
 @attrs.frozen

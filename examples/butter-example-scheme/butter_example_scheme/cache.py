@@ -31,16 +31,14 @@ class FP8Cache(BufferedSlotCache):
         super().__init__(spec, layout)
         self._decode = kernels.decode if default_device_is_gpu() and kernels.available() else codec.decode
 
-    def store(self, start, keys, values, position):
+    def encode(self, keys, values):
         key_codes, key_scales = codec.encode(keys, self.scale_dtype)
         value_codes, value_scales = codec.encode(values, self.scale_dtype)
-        rows = {"keys": key_codes, "key_scales": key_scales, "values": value_codes, "value_scales": value_scales}
-        self.slots.write(start, rows, live=self.length)
+        return {"keys": key_codes, "key_scales": key_scales, "values": value_codes, "value_scales": value_scales}
 
-    def load(self, length):
-        stored = self.slots.read(length)
+    def decode(self, rows):
         dtype = self.spec.dtype
         return (
-            self._decode(stored["keys"], stored["key_scales"], dtype),
-            self._decode(stored["values"], stored["value_scales"], dtype),
+            self._decode(rows["keys"], rows["key_scales"], dtype),
+            self._decode(rows["values"], rows["value_scales"], dtype),
         )

@@ -34,15 +34,21 @@ class AffineCache(BufferedSlotCache):
         self.ops: AffineOps = select_ops(self.format)
         self.pipeline = pipeline
 
-    def store(self, start, keys, values, position):
-        rows = self.ops.quantize(keys.astype(self.spec.dtype), values.astype(self.spec.dtype))
-        self.slots.write(start, rows, live=self.length)
+    def encode(self, keys, values):
+        return self.ops.quantize(keys.astype(self.spec.dtype), values.astype(self.spec.dtype))
+
+    def decode(self, rows):
+        slots = next(iter(rows.values())).shape[-2]
+        if slots == 0:
+            s = self.spec
+            empty = mx.zeros((next(iter(rows.values())).shape[0], s.n_kv_heads, 0, s.head_dim), s.dtype)
+            return empty, empty
+        return self.ops.dequantize(rows, slots)
 
     def load(self, length):
+        """``decode`` of the live slots, reading the whole buffers (the shape a traced kernel keeps)."""
         if length == 0 or not self.slots.allocated:
-            s = self.spec
-            empty = mx.zeros((s.batch_size, s.n_kv_heads, 0, s.head_dim), s.dtype)
-            return empty, empty
+            return self.decode(self.slots.read(0))
         return self.ops.dequantize(self.slots.read(), length)
 
     def attention(self, queries, *, scale: float, mask: Mask):

@@ -24,9 +24,8 @@ class RawCache(BufferedSlotCache):
         dtype = spec.dtype if kind.dtype is None else getattr(mx, kind.dtype)
         super().__init__(spec, {"keys": (spec.head_dim, dtype), "values": (spec.head_dim, dtype)})
 
-    def store(self, start, keys, values, position):
-        self.slots.write(start, {"keys": keys, "values": values}, live=self.length)
+    def encode(self, keys, values):
+        return {"keys": keys, "values": values}
 
-    def load(self, length):
-        stored = self.slots.read(length)
-        return stored["keys"], stored["values"]
+    def decode(self, rows):
+        return rows["keys"], rows["values"]

@@ -1,0 +1,182 @@
+"""``BatchGeneration``: continuous batching — sequences join and leave between steps, decoded together.
+
+::
+
+    caches = model.engine.make_batched_caches(capacity_tokens=65536)
+    batch = BatchGeneration(model, caches)
+    first = batch.add(model.encode_prompt("Once upon a time"), max_tokens=64)
+    for sequence_id, token in batch:          # tokens of every sequence, as they come
+        ...
+        if sequence_id == first and token == 13:
+            batch.add(model.encode_prompt("A second prompt"))   # joins at the next step
+
+Each ``step``: admit waiting sequences whose prompt and ``max_tokens`` fit the free pages (in
+the order they were added; a sequence's pages are all taken at admission, so a running
+sequence never runs out of room), decode one token for every running sequence in one forward
+(``[sequences, 1]``), then prefill the next chunk of the first admitted sequence still reading
+its prompt, together with the other such sequences whose next chunk is as long, within
+``prefill_chunk`` tokens in all (``[sequences, tokens]``: equal-length prompts prefill as one). Each sequence has its own sampler, ``max_tokens`` and stop
+ids; a stop id ends it unyielded, as in ``Model.generate``. A sequence that ends releases its
+pages at once (``BatchedCaches.release``). A sequence's tokens do not depend on its
+neighbours: rows are independent in every layer, and attention masks each sequence to its own
+positions (a padded batch changes the order of floating-point sums only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+
+import attrs
+import mlx.core as mx
+
+from butter_core.batched import BatchedCaches, SequenceHandle
+from butter_core.engine import Engine, TokenIds
+from butter_core.errors import ConfigError
+from butter_core.sampling import GREEDY, Sampler
+
+
+@attrs.define
+class _Request:
+    prompt: mx.array
+    max_tokens: int
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    handle: SequenceHandle | None = None
+    fed: int = 0
+    """Prompt tokens prefilled so far."""
+    generated: int = 0
+    pending: int | None = None
+    """The last token yielded, to be fed at the next decode step."""
+
+
+class BatchGeneration:
+    """Many sequences generated together over ``caches`` (``Engine.make_batched_caches``); iterate
+    for ``(sequence_id, token_id)`` pairs until every added sequence has ended."""
+
+    def __init__(self, model, caches: BatchedCaches, *, prefill_chunk: int | None = None):
+        self.engine: Engine = model.engine
+        self.eos_ids = frozenset(model.tokenizer.eos_token_ids)
+        self.caches = caches
+        chunk = self.engine.prefill_chunk if prefill_chunk is None else prefill_chunk
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+            raise ConfigError(f"prefill_chunk must be a positive integer, got {chunk!r}")
+        self.prefill_chunk = chunk
+        self._waiting: dict[int, _Request] = {}
+        self._running: dict[int, _Request] = {}
+        self.finish_reasons: dict[int, str] = {}
+        """Sequence id -> "stop", "length" or "cancelled", once it has ended."""
+        self._next_id = 0
+
+    def add(
+        self, prompt_ids: TokenIds, *, max_tokens: int = 256, sampler: Sampler | None = None,
+        stop_ids: Collection[int] | None = None,
+    ) -> int:  # fmt: skip
+        """Queue a sequence; it joins at the next step its pages are free. Returns its id."""
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if (prompt_ids.size if isinstance(prompt_ids, mx.array) else len(prompt_ids)) == 0:
+            raise ConfigError("the prompt is empty: generation needs at least one prompt token")
+        prompt = self.engine.token_ids(prompt_ids)
+        needed = self.caches.pages_for(prompt.size + max_tokens)
+        if needed > self.caches.num_pages:
+            raise ConfigError(
+                f"the prompt's {prompt.size} tokens and max_tokens {max_tokens} need {needed} pages; the batched "
+                f"caches hold {self.caches.num_pages} (capacity_tokens {self.caches.capacity_tokens})"
+            )
+        sequence_id, self._next_id = self._next_id, self._next_id + 1
+        self._waiting[sequence_id] = _Request(
+            prompt, max_tokens, sampler or GREEDY, self.eos_ids if stop_ids is None else frozenset(stop_ids)
+        )
+        return sequence_id
+
+    def cancel(self, sequence_id: int) -> None:
+        """End a waiting or running sequence now (its pages are released)."""
+        if sequence_id in self._waiting:
+            del self._waiting[sequence_id]
+        elif sequence_id in self._running:
+            self._end(sequence_id, "cancelled")
+            return
+        else:
+            raise ConfigError(f"sequence {sequence_id} is not waiting or running")
+        self.finish_reasons[sequence_id] = "cancelled"
+
+    @property
+    def active(self) -> int:
+        """Sequences waiting or running."""
+        return len(self._waiting) + len(self._running)
+
+    @property
+    def running(self) -> int:
+        """Sequences admitted (holding pages), prefilling or decoding."""
+        return len(self._running)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        while self.active:
+            yield from self.step()
+
+    def step(self) -> list[tuple[int, int]]:
+        """Admit, decode every running sequence one token, prefill one chunk; the tokens produced."""
+        self._admit()
+        produced: list[tuple[int, int]] = []
+        decoding = [i for i, r in self._running.items() if r.pending is not None]
+        if decoding:
+            requests = [self._running[i] for i in decoding]
+            ids = mx.array([[r.pending] for r in requests], dtype=mx.uint32)
+            logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests])
+            tokens = mx.stack([r.sampler(logits[row]) for row, r in enumerate(requests)]).tolist()
+            for sequence_id, token in zip(decoding, tokens):
+                self._emit(sequence_id, token, produced)
+        group = self._prefill_group()
+        if group:
+            requests = [self._running[i] for i in group]
+            tokens = min(self.prefill_chunk, requests[0].prompt.size - requests[0].fed)
+            ids = mx.stack([r.prompt[r.fed : r.fed + tokens] for r in requests])
+            logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests])
+            done = []
+            for row, (sequence_id, request) in enumerate(zip(group, requests)):
+                request.fed += tokens
+                if request.fed == request.prompt.size:
+                    done.append((sequence_id, request.sampler(logits[row])))
+            if done:
+                for (sequence_id, _), token in zip(done, mx.stack([t for _, t in done]).tolist()):
+                    self._emit(sequence_id, token, produced)
+            else:
+                mx.eval(logits)
+        return produced
+
+    def _prefill_group(self) -> list[int]:
+        """The sequences this step prefills together: the first admitted one still reading its
+        prompt, with every other whose next chunk is as long, within ``prefill_chunk`` tokens in all."""
+        waiting = [(i, r) for i, r in self._running.items() if r.fed < r.prompt.size]
+        if not waiting:
+            return []
+        tokens = lambda r: min(self.prefill_chunk, r.prompt.size - r.fed)  # noqa: E731
+        size = tokens(waiting[0][1])
+        same = [i for i, r in waiting if tokens(r) == size]
+        return same[: max(1, self.prefill_chunk // size)]
+
+    def _admit(self) -> None:
+        for sequence_id, request in list(self._waiting.items()):
+            positions = request.prompt.size + request.max_tokens
+            if self.caches.pages_for(positions) > self.caches.free_pages:
+                break
+            request.handle = self.caches.open()
+            self.caches.reserve(request.handle, positions)
+            self._running[sequence_id] = self._waiting.pop(sequence_id)
+
+    def _emit(self, sequence_id: int, token: int, produced: list[tuple[int, int]]) -> None:
+        request = self._running[sequence_id]
+        request.generated += 1
+        if token in request.stop_ids:
+            self._end(sequence_id, "stop")
+            return
+        produced.append((sequence_id, token))
+        if request.generated == request.max_tokens:
+            self._end(sequence_id, "length")
+        else:
+            request.pending = token
+
+    def _end(self, sequence_id: int, reason: str) -> None:
+        request = self._running.pop(sequence_id)
+        self.caches.release(request.handle)
+        self.finish_reasons[sequence_id] = reason

@@ -1,0 +1,231 @@
+"""Batched storage and continuous batching: every attention scheme, against the single-sequence engine."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from butter_core import ConfigError, LoadOptions, Window
+from butter_core.batch_generation import BatchGeneration
+from butter_core.batched import OutOfPagesError, StaleSequenceError
+from butter_core.cache import ATTENTION
+from butter_core.model import Model
+from butter_core.plugins import get_plugin_host
+from butter_core.testing.fixtures import example_kind
+from butter_core.testing.tiny_models import TinySpec, write_tiny_model
+
+BATCHED = ("affine", "fp8", "raw")
+"""The attention schemes that run batched (define ``BufferedSlotCache.encode``/``decode``); butter-aura
+keeps full-precision rows per sequence beside its codes, which pages do not hold yet."""
+SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items()
+                 if ATTENTION in r.scheme.layer_types and name in BATCHED)  # fmt: skip
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "Once upon a time there was a tiny model that wrote short stories about a fox",
+    "What is the capital of France? Paris is",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("batched"), TinySpec(family="qwen3"))
+
+
+@functools.cache
+def _model(path: str, scheme: str) -> Model:
+    kind, _ = example_kind(scheme, 32)
+    return Model.load(path, LoadOptions(kv_cache=kind))
+
+
+def _single(model: Model, prompt: list[int], max_tokens: int) -> list[int]:
+    return list(model.generate(prompt, max_tokens=max_tokens, stop_ids=()))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_batched_logits_match_single_sequences(model_dir, scheme):
+    """Sequences of different lengths decoded in one forward give each the logits it gets alone,
+    to float32 rounding for raw, within the scheme's stated tolerance otherwise."""
+    model = _model(str(model_dir), scheme)
+    _, tolerance = example_kind(scheme, 32)
+    prompts = [model.encode_prompt(text) for text in PROMPTS]
+    caches = model.engine.make_batched_caches(capacity_tokens=512, page_size=8)
+    handles = [caches.open() for _ in prompts]
+    for handle, prompt in zip(handles, prompts):
+        caches.reserve(handle, len(prompt) + 4)
+        mx.eval(model.engine.run_batched(mx.array(prompt, dtype=mx.uint32)[None], caches, [handle]))
+    nexts = [[7], [11], [13], [17]]
+    batched = model.engine.run_batched(mx.array(nexts, dtype=mx.uint32), caches, handles)
+    for row, (prompt, nxt) in enumerate(zip(prompts, nexts)):
+        alone = model.engine.forward(prompt + nxt, model.engine.make_layer_caches())
+        error = (mx.abs(batched[row] - alone).max() / mx.abs(alone).max()).item()
+        bound = 1e-5 if scheme == "raw" else tolerance
+        if bound is None:
+            pytest.skip(f"{scheme} declares no model_tolerance")
+        assert error <= bound, (row, error)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_continuous_batching_gives_each_sequence_its_own_tokens(model_dir, scheme):
+    """Joining mid-stream, leaving at different lengths, a slot reused: each sequence's greedy
+    tokens are those it generates alone."""
+    model = _model(str(model_dir), scheme)
+    prompts = [model.encode_prompt(text) for text in PROMPTS]
+    lengths = [12, 5, 9, 7]
+    expected = [_single(model, p, n) for p, n in zip(prompts, lengths)]
+    caches = model.engine.make_batched_caches(capacity_tokens=256, page_size=8)
+    batch = BatchGeneration(model, caches, prefill_chunk=6)
+    got: dict[int, list[int]] = {}
+    ids = [batch.add(prompts[0], max_tokens=lengths[0], stop_ids=()),
+           batch.add(prompts[1], max_tokens=lengths[1], stop_ids=())]  # fmt: skip
+    for sequence_id, token in batch:
+        got.setdefault(sequence_id, []).append(token)
+        if len(ids) < 4 and sum(map(len, got.values())) >= {2: 4, 3: 9}[len(ids)]:  # two more join mid-stream
+            index = len(ids)
+            ids.append(batch.add(prompts[index], max_tokens=lengths[index], stop_ids=()))
+    assert len(ids) == 4
+    assert [got[i] for i in ids] == expected
+    assert batch.finish_reasons == dict.fromkeys(ids, "length")
+    assert caches.free_pages == caches.num_pages and caches.nbytes_live == 0
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_sequence_waits_for_pages_and_a_stop_id_ends_it(model_dir):
+    model = _model(str(model_dir), "raw")
+    prompts = [model.encode_prompt(text) for text in PROMPTS[:3]]
+    expected = [_single(model, p, 10) for p in prompts]
+    pages = sorted(-(-(len(p) + 10) // 8) for p in prompts)
+    caches = model.engine.make_batched_caches(capacity_tokens=8 * (pages[-1] + pages[-2]), page_size=8)  # two at a time
+    batch = BatchGeneration(model, caches)
+    ids = [batch.add(p, max_tokens=10, stop_ids=()) for p in prompts]
+    stop = expected[2][4]
+    last = batch.add(prompts[2], max_tokens=10, stop_ids={stop})
+    got: dict[int, list[int]] = {}
+    most_running = 0
+    while batch.active:
+        for sequence_id, token in batch.step():
+            got.setdefault(sequence_id, []).append(token)
+        most_running = max(most_running, batch.running)
+    assert most_running == 2
+    assert [got[i] for i in ids] == expected
+    assert got[last] == expected[2][: expected[2].index(stop)]
+    assert batch.finish_reasons[last] == "stop"
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_released_handle_is_refused_before_and_after_its_slot_is_reused(model_dir):
+    model = _model(str(model_dir), "raw")
+    caches = model.engine.make_batched_caches(capacity_tokens=64, page_size=8)
+    first = caches.open()
+    caches.reserve(first, 20)
+    mx.eval(model.engine.run_batched(mx.array([[1, 2, 3]], dtype=mx.uint32), caches, [first]))
+    caches.release(first)
+    with pytest.raises(StaleSequenceError, match=r"sequence slot 0 \(generation 0\) was released: its handle is stale"):
+        caches.length(first)
+    second = caches.open()
+    assert second.slot == first.slot and second.generation == 1 and caches.length(second) == 0
+    with pytest.raises(StaleSequenceError, match="slot now holds generation 1"):
+        model.engine.run_batched(mx.array([[4]], dtype=mx.uint32), caches, [first])
+    with pytest.raises(OutOfPagesError, match=r"needs 9 more pages of 8 positions for 72 positions; 8 of 8 are free"):
+        caches.reserve(second, 72)
+    with pytest.raises(OutOfPagesError, match="reserve them first"):
+        model.engine.run_batched(mx.array([[4]], dtype=mx.uint32), caches, [second])
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_batched_storage_bytes(model_dir):
+    """Pages are allocated whole at creation; live bytes count each open sequence's positions, and
+    a sequence holds at most one partly used page."""
+    model = _model(str(model_dir), "raw")
+    caches = model.engine.make_batched_caches(capacity_tokens=100, page_size=16)
+    assert caches.capacity_tokens == 112 and caches.num_pages == 7
+    per_position = 2 * 2 * 32 * 4 * 2  # K and V, 2 KV heads of 32, float32, 2 layers
+    assert caches.nbytes_allocated == 112 * per_position
+    handle = caches.open()
+    caches.reserve(handle, 21)
+    assert caches.free_pages == 5
+    mx.eval(model.engine.run_batched(mx.arange(21, dtype=mx.uint32)[None], caches, [handle]))
+    assert caches.nbytes_live == 21 * per_position
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_what_batched_caches_do_not_take_yet_is_refused_clearly(model_dir):
+    if "aura" in get_plugin_host().schemes:
+        model = _model(str(model_dir), "aura")
+        with pytest.raises(ConfigError, match=r"\(AuraCache\) do not define BufferedSlotCache.encode/decode"):
+            model.engine.make_batched_caches(capacity_tokens=64)
+    model = Model.load(str(model_dir), LoadOptions(kv_eviction=Window(16, keep=4)))
+    with pytest.raises(ConfigError, match="batched caches do not evict yet"):
+        model.engine.make_batched_caches(capacity_tokens=64)
+    model = _model(str(model_dir), "raw")
+    batch = BatchGeneration(model, model.engine.make_batched_caches(capacity_tokens=64, page_size=8))
+    with pytest.raises(ConfigError, match=r"need 9 pages; the batched caches hold 8 \(capacity_tokens 64\)"):
+        batch.add([1, 2, 3], max_tokens=66)
+    with pytest.raises(ConfigError, match="capacity_tokens must be a positive integer"):
+        model.engine.make_batched_caches(capacity_tokens=0)
+
+
+class BatchMachine(RuleBasedStateMachine):
+    """Random joins, steps and cancellations against the single-sequence engine: every sequence's
+    tokens are a prefix of (cancelled) or equal to (ended) what it generates alone."""
+
+    model: Model
+
+    def __init__(self):
+        super().__init__()
+        self.caches = self.model.engine.make_batched_caches(capacity_tokens=96, page_size=8)
+        self.batch = BatchGeneration(self.model, self.caches, prefill_chunk=5)
+        self.requests: dict[int, tuple[int, int]] = {}
+        self.got: dict[int, list[int]] = {}
+
+    @rule(prompt=st.integers(0, len(PROMPTS) - 1), max_tokens=st.integers(1, 12))
+    def add(self, prompt, max_tokens):
+        sequence_id = self.batch.add(_encoded(self.model, prompt), max_tokens=max_tokens, stop_ids=())
+        self.requests[sequence_id] = (prompt, max_tokens)
+        self.got[sequence_id] = []
+
+    @precondition(lambda self: self.batch.active)
+    @rule()
+    def step(self):
+        for sequence_id, token in self.batch.step():
+            self.got[sequence_id].append(token)
+
+    @precondition(lambda self: self.batch.active)
+    @rule(data=st.data())
+    def cancel(self, data):
+        live = sorted(set(self.requests) - set(self.batch.finish_reasons))
+        self.batch.cancel(data.draw(st.sampled_from(live)))
+
+    @invariant()
+    def tokens_are_the_single_sequence_tokens(self):
+        for sequence_id, (prompt, max_tokens) in self.requests.items():
+            alone = _alone(self.model, prompt, max_tokens)
+            got = self.got[sequence_id]
+            if self.batch.finish_reasons.get(sequence_id) == "length":
+                assert got == alone
+            else:
+                assert got == alone[: len(got)]
+        if not self.batch.active:
+            assert self.caches.free_pages == self.caches.num_pages
+
+
+@functools.cache
+def _encoded(model: Model, prompt: int) -> tuple[int, ...]:
+    return tuple(model.encode_prompt(PROMPTS[prompt]))
+
+
+@functools.cache
+def _alone(model: Model, prompt: int, max_tokens: int) -> list[int]:
+    return _single(model, list(_encoded(model, prompt)), max_tokens)
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_random_joins_steps_and_cancellations(model_dir):
+    BatchMachine.model = _model(str(model_dir), "raw")
+    BatchMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+    BatchMachine.TestCase().runTest()
