@@ -54,19 +54,18 @@ def run_butter(batch: int, prompt_tokens: int, decode: int, kv_cache: str) -> di
     import mlx.core as mx
 
     from butter_core import LoadOptions, parse_kv_cache
-    from butter_core.batch_generation import BatchGeneration
     from butter_core.model import Model
 
     model = Model.load(None, LoadOptions(kv_cache=parse_kv_cache(kv_cache)))
     seqs = prompts(model.tokenizer.encode, batch, prompt_tokens)
     capacity = batch * (prompt_tokens + decode + 64)
-    warm = BatchGeneration(model, model.engine.make_batched_caches(capacity_tokens=capacity))
+    warm = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=capacity))
     for ids in seqs:
         warm.add(ids, max_tokens=4, stop_ids=())
     list(warm)
     mx.clear_cache()
     mx.reset_peak_memory()
-    generation = BatchGeneration(model, model.engine.make_batched_caches(capacity_tokens=capacity))
+    generation = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=capacity))
     start = time.perf_counter()
     for ids in seqs:
         generation.add(ids, max_tokens=decode, stop_ids=())

@@ -3,7 +3,7 @@
 ::
 
     caches = model.engine.make_batched_caches(capacity_tokens=65536)
-    batch = BatchGeneration(model, caches)
+    batch = model.generate_batch(caches)
     first = batch.add(model.encode_prompt("Once upon a time"), max_tokens=64)
     for sequence_id, token in batch:          # tokens of every sequence, as they come
         ...
@@ -50,12 +50,15 @@ class _Request:
 
 
 class BatchGeneration:
-    """Many sequences generated together over ``caches`` (``Engine.make_batched_caches``); iterate
-    for ``(sequence_id, token_id)`` pairs until every added sequence has ended."""
+    """Many sequences generated together by ``engine`` over ``caches`` (``Engine.make_batched_caches``);
+    iterate for ``(sequence_id, token_id)`` pairs until every added sequence has ended.
+    ``stop_ids``: a sequence's stop ids unless ``add`` gives its own (``Model.generate_batch``: the
+    model's end-of-sequence ids)."""
 
-    def __init__(self, model, caches: BatchedCaches, *, prefill_chunk: int | None = None):
-        self.engine: Engine = model.engine
-        self.eos_ids = frozenset(model.tokenizer.eos_token_ids)
+    def __init__(self, engine: Engine, caches: BatchedCaches, *, stop_ids: Collection[int] = (),
+                 prefill_chunk: int | None = None):  # fmt: skip
+        self.engine = engine
+        self.stop_ids = frozenset(stop_ids)
         self.caches = caches
         chunk = self.engine.prefill_chunk if prefill_chunk is None else prefill_chunk
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
@@ -85,7 +88,7 @@ class BatchGeneration:
             )
         sequence_id, self._next_id = self._next_id, self._next_id + 1
         self._waiting[sequence_id] = _Request(
-            prompt, max_tokens, sampler or GREEDY, self.eos_ids if stop_ids is None else frozenset(stop_ids)
+            prompt, max_tokens, sampler or GREEDY, self.stop_ids if stop_ids is None else frozenset(stop_ids)
         )
         return sequence_id
 

@@ -163,10 +163,14 @@ class BatchedCaches:
         return sum(array.nbytes for buffers in self.storage for array in buffers.read(stacked=True).values())
 
     @property
+    def live_positions(self) -> int:
+        """Positions held by the open sequences, together."""
+        return sum(s.length for s in self._sequences if s.live)
+
+    @property
     def nbytes_live(self) -> int:
         """Bytes that encode the live positions of every open sequence, all layers."""
-        per_position = sum(prototype.bytes_per_slot for prototype in self.prototypes)
-        return per_position * sum(s.length for s in self._sequences if s.live)
+        return sum(prototype.bytes_per_slot for prototype in self.prototypes) * self.live_positions
 
     # -- a forward ---------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import statistics
+import time
 from collections.abc import Sequence
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -32,6 +33,7 @@ import attrs
 import mlx.core as mx
 
 from butter_core import parse_kv_cache
+from butter_core.batched import PAGE_SIZE
 from butter_core.cache import LayerSpec
 from butter_core.config import DEFAULT_KV_CACHE, CacheKind
 from butter_core.cpu_blas import LOADED_BLAS
@@ -56,17 +58,24 @@ PLOT_INSTALL = "pip install 'butter-core[plot]'"
 BENCH_KEYS: dict[str, str] = {
     "scheme": "the scheme as a CLI string (raw, affine8, ...)",
     "context": "prompt tokens N",
+    "batch": "sequences generated together, B (1 without --batch: one sequence through Model.generate; with "
+    "--batch every size, 1 too, runs B prompts of N tokens through BatchGeneration over paged caches)",
     "kv_bytes_allocated": "bytes the caches of all attention layers hold at the end of the run (N + "
-    "decode_tokens positions), growth slack included",
-    "kv_bytes_live": "bytes that encode the live positions, all attention layers",
+    "decode_tokens positions), growth slack included; batched: every page, allocated at creation for B "
+    "sequences of N + decode_tokens positions",
+    "kv_bytes_live": "bytes that encode the live positions, all attention layers (batched: the most at once, "
+    "all sequences)",
     "state_bytes": "bytes the recurrent layers' caches hold (convolution inputs and state; constant in N; 0 "
     "without recurrent layers)",
-    "bytes_per_token": "kv_bytes_live / positions held (N + decode_tokens)",
+    "bytes_per_token": "kv_bytes_live / positions held (N + decode_tokens per sequence)",
     "bytes_ratio_vs_raw": "bytes_per_token / raw's bytes_per_token at the same context (null without butter-raw)",
     "peak_memory_bytes": "MLX peak memory over a run (reset before it; the largest over --repeats): weights, "
     "activations and caches",
-    "prefill_tok_s": "N / seconds from the start until the first generated token is ready (median over --repeats)",
-    "decode_tok_s": "(decode_tokens - 1) / seconds from the first generated token to the last (median over --repeats)",
+    "prefill_tok_s": "B * N / seconds from the start until every sequence's first generated token is ready "
+    "(median over --repeats)",
+    "decode_tok_s": "tokens generated after every sequence had its first, / seconds from then to the last token: "
+    "(decode_tokens - 1) * B / ... for B sequences decoded together (median over --repeats)",
+    "decode_tok_s_per_sequence": "decode_tok_s / B",
 }
 """Keys of each ``butter bench`` result, in order, with their meaning."""
 
@@ -88,6 +97,7 @@ class BenchResult:
 
     scheme: str
     context: int
+    batch: int
     kv_bytes_allocated: int
     kv_bytes_live: int
     state_bytes: int
@@ -96,6 +106,7 @@ class BenchResult:
     peak_memory_bytes: int
     prefill_tok_s: float
     decode_tok_s: float
+    decode_tok_s_per_sequence: float
 
     def as_dict(self) -> dict:
         """The JSON row: exactly :data:`BENCH_KEYS`, in order."""
@@ -215,9 +226,11 @@ def generate_once(engine: Engine, prompt: Sequence[int], decode_tokens: int) -> 
 def summarize(kind: CacheKind, context: int, runs: Sequence[tuple[GenerationStats, int]]) -> BenchResult:
     """One result from a scheme's runs at one context: median speeds, the largest peak; no ratio yet."""
     stats, positions = runs[-1]  # byte accounting is the same in every run
+    decode = statistics.median(s.decode_tps for s, _ in runs)
     return BenchResult(
         scheme=str(kind),
         context=context,
+        batch=1,
         kv_bytes_allocated=stats.kv_bytes_allocated,
         kv_bytes_live=stats.kv_bytes_live,
         state_bytes=stats.state_bytes,
@@ -225,7 +238,77 @@ def summarize(kind: CacheKind, context: int, runs: Sequence[tuple[GenerationStat
         bytes_ratio_vs_raw=None,
         peak_memory_bytes=max(s.peak_memory for s, _ in runs),
         prefill_tok_s=statistics.median(s.prompt_tps for s, _ in runs),
-        decode_tok_s=statistics.median(s.decode_tps for s, _ in runs),
+        decode_tok_s=decode,
+        decode_tok_s_per_sequence=decode,
+    )
+
+
+@attrs.frozen
+class BatchRun:
+    """One batched generation's measurements (``generate_batch_once``)."""
+
+    first_seconds: float
+    """From the start until every sequence had its first token."""
+    decode_tok_s: float
+    kv_bytes_allocated: int
+    kv_bytes_live: int
+    positions: int
+    """Positions held when ``kv_bytes_live`` was."""
+    peak_memory: int
+
+
+def steady_decode_rate(arrivals: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(seconds until every sequence had its first token, tokens per second after that)`` from
+    ``(sequence, seconds since the start)`` arrival times: the rate of the steady state in which
+    every sequence decodes (NaN when no token came after)."""
+    first: dict[int, float] = {}
+    for sequence, at in arrivals:
+        first.setdefault(sequence, at)
+    start = max(first.values())
+    later = [at for _, at in arrivals if at > start]
+    return start, (len(later) / (later[-1] - start) if later else math.nan)
+
+
+def generate_batch_once(engine: Engine, prompts: Sequence[Sequence[int]], decode_tokens: int) -> BatchRun:
+    """``prompts`` generated together, ``decode_tokens`` greedy tokens each (no stop token), over
+    batched caches holding exactly their positions (whole pages)."""
+    from butter_core.batch_generation import BatchGeneration
+
+    page = PAGE_SIZE
+    capacity = sum(-(-(len(p) + decode_tokens) // page) * page for p in prompts)
+    caches = engine.make_batched_caches(capacity_tokens=capacity, page_size=page)
+    generation = BatchGeneration(engine, caches)
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for prompt in prompts:
+        generation.add(prompt, max_tokens=decode_tokens, stop_ids=())
+    arrivals, live, positions = [], 0, 0
+    while generation.active:
+        for sequence, _ in generation.step():
+            arrivals.append((sequence, time.perf_counter() - start))
+        if caches.nbytes_live > live:
+            live, positions = caches.nbytes_live, caches.live_positions
+    first, rate = steady_decode_rate(arrivals)
+    return BatchRun(first, rate, caches.nbytes_allocated, live, positions, mx.get_peak_memory())
+
+
+def summarize_batches(kind: CacheKind, context: int, batch: int, runs: Sequence[BatchRun]) -> BenchResult:
+    """One result from a scheme's batched runs at one context and batch size."""
+    last = runs[-1]
+    decode = statistics.median(r.decode_tok_s for r in runs)
+    return BenchResult(
+        scheme=str(kind),
+        context=context,
+        batch=batch,
+        kv_bytes_allocated=last.kv_bytes_allocated,
+        kv_bytes_live=last.kv_bytes_live,
+        state_bytes=0,
+        bytes_per_token=last.kv_bytes_live / last.positions,
+        bytes_ratio_vs_raw=None,
+        peak_memory_bytes=max(r.peak_memory for r in runs),
+        prefill_tok_s=statistics.median(batch * context / r.first_seconds for r in runs),
+        decode_tok_s=decode,
+        decode_tok_s_per_sequence=decode / batch,
     )
 
 
@@ -236,13 +319,15 @@ def run_bench(
     decode_tokens: int = DEFAULT_DECODE_TOKENS,
     *,
     repeats: int = 1,
+    batches: Sequence[int] | None = None,
     progress_stream: TextIO | None = None,
 ) -> list[BenchResult]:
-    """Measure each of ``kinds`` (raw added first when missing) at each context.
+    """Measure each of ``kinds`` (raw added first when missing) at each context, one sequence
+    at a time, or, with ``batches``, ``B`` sequences generated together for each ``B``.
 
-    Per context, ``repeats`` rounds each run every scheme once (interleaved); speeds
-    are the median over rounds, peak memory the largest. A progress bar goes to
-    ``progress_stream`` (None: no progress).
+    Per context (and batch size), ``repeats`` rounds each run every scheme once
+    (interleaved); speeds are the median over rounds, peak memory the largest. A progress
+    bar goes to ``progress_stream`` (None: no progress).
     """
     if decode_tokens < 2:
         raise ConfigError(f"--decode-tokens must be at least 2 (decode speed is timed between tokens), got {decode_tokens}")
@@ -252,6 +337,8 @@ def run_bench(
     engines = {kind: engine_for(model, kind) for kind in kinds}
     for context in contexts:
         check_positions(model.engine, context + decode_tokens, f"--context {context} with --decode-tokens {decode_tokens}")
+    if batches is not None:
+        return _run_batched(model, engines, contexts, decode_tokens, repeats, batches, progress_stream)
     progress = Progress(len(kinds) * (1 + len(contexts) * repeats), "bench", progress_stream)
     for kind, engine in engines.items():
         progress.step(f"warm-up {kind}")
@@ -265,11 +352,39 @@ def run_bench(
                 progress.step(f"{kind} @ {context}" + (f", round {round_index + 1}/{repeats}" if repeats > 1 else ""))
                 mx.clear_cache()
                 runs[kind].append(generate_once(engine, prompt, decode_tokens))
-        row = [summarize(kind, context, kind_runs) for kind, kind_runs in runs.items()]
-        raw = next((r for r in row if r.scheme == BASELINE), None)
-        for result in row:
-            ratio = None if raw is None else result.bytes_per_token / raw.bytes_per_token
-            results.append(attrs.evolve(result, bytes_ratio_vs_raw=ratio))
+        results += with_ratios([summarize(kind, context, kind_runs) for kind, kind_runs in runs.items()])
+    progress.finish()
+    return results
+
+
+def with_ratios(row: Sequence[BenchResult]) -> list[BenchResult]:
+    """One context's (and batch size's) results with ``bytes_ratio_vs_raw`` filled in."""
+    raw = next((r for r in row if r.scheme == BASELINE), None)
+    return [attrs.evolve(r, bytes_ratio_vs_raw=None if raw is None else r.bytes_per_token / raw.bytes_per_token)
+            for r in row]  # fmt: skip
+
+
+def _run_batched(model, engines, contexts, decode_tokens, repeats, batches, progress_stream) -> list[BenchResult]:
+    """``run_bench`` with ``batches``: B prompts of each context (the bench text from B different
+    offsets, so no two are equal) through ``BatchGeneration``."""
+    for engine in engines.values():
+        engine.make_batched_caches(capacity_tokens=PAGE_SIZE)  # a scheme that cannot run batched fails now
+    progress = Progress(len(engines) * (1 + len(contexts) * len(batches) * repeats), "bench", progress_stream)
+    for kind, engine in engines.items():
+        progress.step(f"warm-up {kind}")
+        generate_batch_once(engine, [bench_prompt(model.tokenizer, WARMUP_PROMPT_TOKENS)] * 2, 2)
+    results: list[BenchResult] = []
+    for context in contexts:
+        text = bench_prompt(model.tokenizer, context + max(batches))
+        for batch in batches:
+            prompts = [text[i : i + context] for i in range(batch)]
+            runs: dict[CacheKind, list[BatchRun]] = {kind: [] for kind in engines}
+            for round_index in range(repeats):
+                for kind, engine in engines.items():
+                    progress.step(f"{kind} @ {context} x {batch}" + (f", round {round_index + 1}/{repeats}" if repeats > 1 else ""))
+                    mx.clear_cache()
+                    runs[kind].append(generate_batch_once(engine, prompts, decode_tokens))
+            results += with_ratios([summarize_batches(kind, context, batch, r) for kind, r in runs.items()])
     progress.finish()
     return results
 
@@ -277,15 +392,17 @@ def run_bench(
 def format_bench_table(results: Sequence[BenchResult]) -> str:
     """A Markdown table of ``results``, one row per scheme and context."""
     lines = [
-        "| scheme | context | KV allocated | KV live | state | bytes/token | vs raw | peak memory | prefill tok/s | decode tok/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| scheme | context | batch | KV allocated | KV live | state | bytes/token | vs raw | peak memory | prefill tok/s "
+        "| decode tok/s | per sequence |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         ratio = "—" if r.bytes_ratio_vs_raw is None else f"{r.bytes_ratio_vs_raw:.3f}"
         lines.append(
-            f"| {r.scheme} | {r.context} | {format_bytes(r.kv_bytes_allocated)} | {format_bytes(r.kv_bytes_live)} | "
-            f"{format_bytes(r.state_bytes)} | {r.bytes_per_token:,.0f} | {ratio} | {format_bytes(r.peak_memory_bytes)} | "
-            f"{r.prefill_tok_s:.1f} | {r.decode_tok_s:.2f} |"
+            f"| {r.scheme} | {r.context} | {r.batch} | {format_bytes(r.kv_bytes_allocated)} | "
+            f"{format_bytes(r.kv_bytes_live)} | {format_bytes(r.state_bytes)} | {r.bytes_per_token:,.0f} | {ratio} | "
+            f"{format_bytes(r.peak_memory_bytes)} | {r.prefill_tok_s:.1f} | {r.decode_tok_s:.2f} | "
+            f"{r.decode_tok_s_per_sequence:.2f} |"
         )
     return "\n".join(lines)
 
@@ -307,16 +424,19 @@ PLOT_PANELS = (
 
 
 def write_plot(results: Sequence[BenchResult], metadata: dict, path: str | os.PathLike) -> None:
-    """A PNG of memory and speed against context, one line per scheme (needs matplotlib)."""
+    """A PNG of memory and speed against context, one line per scheme (and batch size; decode tok/s
+    is then the batch's aggregate) (needs matplotlib)."""
     require_matplotlib()
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, 8), layout="constrained")
     axes = figure.subplots(2, 2).flatten()
-    for scheme in dict.fromkeys(r.scheme for r in results):
-        rows = sorted((r for r in results if r.scheme == scheme), key=lambda r: r.context)
+    batched = any(r.batch > 1 for r in results)
+    for scheme, batch in dict.fromkeys((r.scheme, r.batch) for r in results):
+        rows = sorted((r for r in results if (r.scheme, r.batch) == (scheme, batch)), key=lambda r: r.context)
+        label = f"{scheme}, B={batch}" if batched else scheme
         for ax, (key, _, scale) in zip(axes, PLOT_PANELS):
-            ax.plot([r.context for r in rows], [getattr(r, key) * scale for r in rows], marker="o", label=scheme)
+            ax.plot([r.context for r in rows], [getattr(r, key) * scale for r in rows], marker="o", label=label)
     for ax, (_, label, _) in zip(axes, PLOT_PANELS):
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(label)

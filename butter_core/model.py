@@ -16,6 +16,8 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from butter_core.batch_generation import BatchGeneration
+from butter_core.batched import BatchedCaches
 from butter_core.cache import LayerCache
 from butter_core.config import LoadOptions
 from butter_core.engine import Engine, TokenIds
@@ -84,6 +86,12 @@ class Model:
             return self.tokenizer.encode(text)
         rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def generate_batch(self, caches: BatchedCaches, *, prefill_chunk: int | None = None) -> BatchGeneration:
+        """Continuous batching over ``caches`` (``self.engine.make_batched_caches(capacity_tokens=...)``):
+        ``add`` sequences, iterate for ``(sequence_id, token_id)``; a sequence stops at the model's
+        end-of-sequence ids unless ``add`` gives others."""
+        return BatchGeneration(self.engine, caches, stop_ids=self.tokenizer.eos_token_ids, prefill_chunk=prefill_chunk)
 
     def generate(
         self,

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from butter_core import ConfigError, LoadOptions, Window
-from butter_core.batch_generation import BatchGeneration
 from butter_core.batched import OutOfPagesError, StaleSequenceError
 from butter_core.cache import ATTENTION
 from butter_core.model import Model
@@ -79,7 +78,7 @@ def test_continuous_batching_gives_each_sequence_its_own_tokens(model_dir, schem
     lengths = [12, 5, 9, 7]
     expected = [_single(model, p, n) for p, n in zip(prompts, lengths)]
     caches = model.engine.make_batched_caches(capacity_tokens=256, page_size=8)
-    batch = BatchGeneration(model, caches, prefill_chunk=6)
+    batch = model.generate_batch(caches, prefill_chunk=6)
     got: dict[int, list[int]] = {}
     ids = [batch.add(prompts[0], max_tokens=lengths[0], stop_ids=()),
            batch.add(prompts[1], max_tokens=lengths[1], stop_ids=())]  # fmt: skip
@@ -101,7 +100,7 @@ def test_a_sequence_waits_for_pages_and_a_stop_id_ends_it(model_dir):
     expected = [_single(model, p, 10) for p in prompts]
     pages = sorted(-(-(len(p) + 10) // 8) for p in prompts)
     caches = model.engine.make_batched_caches(capacity_tokens=8 * (pages[-1] + pages[-2]), page_size=8)  # two at a time
-    batch = BatchGeneration(model, caches)
+    batch = model.generate_batch(caches)
     ids = [batch.add(p, max_tokens=10, stop_ids=()) for p in prompts]
     stop = expected[2][4]
     last = batch.add(prompts[2], max_tokens=10, stop_ids={stop})
@@ -163,7 +162,7 @@ def test_what_batched_caches_do_not_take_yet_is_refused_clearly(model_dir):
     with pytest.raises(ConfigError, match="batched caches do not evict yet"):
         model.engine.make_batched_caches(capacity_tokens=64)
     model = _model(str(model_dir), "raw")
-    batch = BatchGeneration(model, model.engine.make_batched_caches(capacity_tokens=64, page_size=8))
+    batch = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=64, page_size=8))
     with pytest.raises(ConfigError, match=r"need 9 pages; the batched caches hold 8 \(capacity_tokens 64\)"):
         batch.add([1, 2, 3], max_tokens=66)
     with pytest.raises(ConfigError, match="capacity_tokens must be a positive integer"):
@@ -179,7 +178,7 @@ class BatchMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.caches = self.model.engine.make_batched_caches(capacity_tokens=96, page_size=8)
-        self.batch = BatchGeneration(self.model, self.caches, prefill_chunk=5)
+        self.batch = self.model.generate_batch(self.caches, prefill_chunk=5)
         self.requests: dict[int, tuple[int, int]] = {}
         self.got: dict[int, list[int]] = {}
 

@@ -14,8 +14,8 @@ from butter_core.testing.tiny_models import TinySpec
 pytestmark = pytest.mark.usefixtures("raw_scheme")
 
 EXPECTED_KEYS = [
-    "scheme", "context", "kv_bytes_allocated", "kv_bytes_live", "state_bytes", "bytes_per_token",
-    "bytes_ratio_vs_raw", "peak_memory_bytes", "prefill_tok_s", "decode_tok_s",
+    "scheme", "context", "batch", "kv_bytes_allocated", "kv_bytes_live", "state_bytes", "bytes_per_token",
+    "bytes_ratio_vs_raw", "peak_memory_bytes", "prefill_tok_s", "decode_tok_s", "decode_tok_s_per_sequence",
 ]  # fmt: skip
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # the tiny qwen3 model
 
@@ -61,6 +61,36 @@ def test_json_has_exactly_the_documented_keys_and_raw_is_the_measured_baseline(c
     table = [line for line in out.splitlines() if line.startswith("| raw")]
     assert len(table) == 4
     assert "raw-float16 @ 80, round 2/2" in err and err.rstrip().endswith("done")
+
+
+def test_batch_sizes_run_together_over_pages(capsys, model_path, tmp_path):
+    """--batch: B sequences of each context through BatchGeneration; pages hold the positions with
+    less than one page per sequence to spare; the aggregate rate is B times the per-sequence one."""
+    report = tmp_path / "batch.json"
+    code, out, err = run(capsys, "bench", "-m", model_path, "--kv-cache", "raw-float16", "--context", "40",
+                         "--decode-tokens", "4", "--batch", "1,3", "--json", str(report))  # fmt: skip
+    assert code == 0, err
+    data = json.loads(report.read_text())
+    assert data["metadata"]["batches"] == [1, 3]
+    rows = data["results"]
+    assert [(r["scheme"], r["batch"]) for r in rows] == [("raw", 1), ("raw-float16", 1), ("raw", 3), ("raw-float16", 3)]
+    page = 64
+    for r in rows:
+        element_bytes = 4 if r["scheme"] == "raw" else 2
+        per_position = LAYERS * KV_HEADS * HEAD_DIM * 2 * element_bytes
+        assert r["bytes_per_token"] == per_position
+        assert r["kv_bytes_live"] <= r["batch"] * (40 + 4) * per_position
+        assert r["kv_bytes_live"] < r["kv_bytes_allocated"] <= r["kv_bytes_live"] + r["batch"] * page * per_position
+        assert r["decode_tok_s_per_sequence"] == pytest.approx(r["decode_tok_s"] / r["batch"])
+        assert r["bytes_ratio_vs_raw"] == (1.0 if r["scheme"] == "raw" else 0.5)
+    assert "| raw-float16 | 40 | 3 |" in out and "raw-float16 @ 40 x 3" in err
+
+
+def test_a_scheme_that_cannot_run_batched_is_named_before_running(capsys, model_path):
+    if "aura" not in get_plugin_host().schemes:
+        pytest.skip("needs butter-aura, the scheme that does not run batched yet")
+    code, out, err = run(capsys, "bench", "-m", model_path, "--kv-cache", "aura4v2", "--context", "16", "--batch", "2")
+    assert code == 2 and out == "" and "do not define BufferedSlotCache.encode/decode" in err
 
 
 def test_every_installed_scheme_runs(capsys, model_path, tmp_path):

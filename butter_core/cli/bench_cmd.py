@@ -71,6 +71,11 @@ def add_parser(sub) -> None:
         "--repeats", type=positive_int, default=1, metavar="R",
         help="rounds per context, every scheme once per round; tok/s are medians (default 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--batch", type=positive_int_list, metavar="B,B,...",
+        help="generate B sequences together for each B (continuous batching over paged caches), e.g. 1,8,32; "
+        "decode tok/s is then the batch's aggregate (default: one sequence at a time)",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the results and run metadata as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of memory and tok/s against context (needs matplotlib)")
     parser.set_defaults(run=run)
@@ -84,9 +89,11 @@ def run(args) -> int:
         require_matplotlib()
     model = Model.load(args.model, progress_stream=sys.stderr)
     results = run_bench(
-        model, kinds, args.context, args.decode_tokens, repeats=args.repeats, progress_stream=sys.stderr
-    )
-    settings = {"contexts": args.context, "decode_tokens": args.decode_tokens, "repeats": args.repeats}
+        model, kinds, args.context, args.decode_tokens, repeats=args.repeats, batches=args.batch,
+        progress_stream=sys.stderr,
+    )  # fmt: skip
+    settings = {"contexts": args.context, "decode_tokens": args.decode_tokens, "repeats": args.repeats,
+                "batches": args.batch}  # fmt: skip
     metadata = run_metadata(args.model or DEFAULT_MODEL_NAME, **settings)
     print(format_bench_table(results))
     if args.json:
