@@ -11,8 +11,8 @@
             batch.add(model.encode_prompt("A second prompt"))   # joins at the next step
 
 Each ``step``: admit waiting sequences whose prompt and ``max_tokens`` fit the free pages (in
-the order they were added; a sequence's pages are all taken at admission, so a running
-sequence never runs out of room), decode one token for every running sequence in one forward
+the order they were added, while a sequence slot is free; a sequence's pages are all taken
+at admission, so a running sequence never runs out of room), decode one token for every running sequence in one forward
 (``[sequences, 1]``), then prefill the next chunk of the first admitted sequence still reading
 its prompt, together with the other such sequences whose next chunk is as long, within
 ``prefill_chunk`` tokens in all (``[sequences, tokens]``: equal-length prompts prefill as one). Each sequence has its own sampler, ``max_tokens`` and stop
@@ -161,7 +161,7 @@ class BatchGeneration:
     def _admit(self) -> None:
         for sequence_id, request in list(self._waiting.items()):
             positions = request.prompt.size + request.max_tokens
-            if self.caches.pages_for(positions) > self.caches.free_pages:
+            if self.caches.pages_for(positions) > self.caches.free_pages or not self.caches.free_sequences:
                 break
             request.handle = self.caches.open()
             self.caches.reserve(request.handle, positions)

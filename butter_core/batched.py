@@ -12,6 +12,11 @@ its slot's generation, so a handle kept past its release — whether or not the 
 holds another sequence — is refused with ``StaleSequenceError`` naming the slot; it never
 reads another sequence's rows.
 
+Recurrent layers keep no pages: each has a ``StatePool``, one row of convolution inputs and
+state per sequence slot (``max_sequences`` rows), zeroed when a sequence opens; a step gathers
+its sequences' rows, runs the state scheme's ``mix`` (its kernels, where it has them) and
+writes them back (``BatchedStateLayer``).
+
 A forward over some sequences is a ``BatchedStep``: where each new row goes, which slots each
 sequence attends to (its pages, gathered), and the mask; computed once and shared by every
 layer's ``BatchedLayer`` view, which is what the model's attention calls
@@ -37,8 +42,12 @@ import mlx.core as mx
 
 from butter_core.cache import LayerSpec, attend, check_chunk
 from butter_core.errors import ConfigError
+from butter_core.recurrent import StateCache, StateSpec
 from butter_core.slots import BufferedSlotCache, SlotBuffers
 
+DEFAULT_MAX_SEQUENCES = 64
+"""Sequence slots when ``max_sequences`` is not given (at most one per page): what sizes the state
+pools of a model with recurrent layers (Qwen3-Next-80B: 2 MiB per layer and sequence)."""
 PAGE_SIZE = 64
 """Positions per page. A sequence holds at most one partly used page, so allocated bytes stay
 within one page per sequence of live ones; the gathered path reads slot by slot, so the page
@@ -76,23 +85,28 @@ class BatchedCaches:
     functions of arrays) this storage uses; their own slots stay empty.
     """
 
-    def __init__(self, specs: Sequence[LayerSpec], prototypes: Sequence[BufferedSlotCache], *,
-                 capacity_tokens: int, page_size: int = PAGE_SIZE):  # fmt: skip
-        for name, value in (("capacity_tokens", capacity_tokens), ("page_size", page_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    def __init__(self, specs: Sequence[LayerSpec | StateSpec], prototypes: Sequence[BufferedSlotCache | StateCache], *,
+                 capacity_tokens: int, page_size: int = PAGE_SIZE, max_sequences: int | None = None):  # fmt: skip
+        for name, value in (("capacity_tokens", capacity_tokens), ("page_size", page_size), ("max_sequences", max_sequences)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         self.page_size = page_size
         self.num_pages = math.ceil(capacity_tokens / page_size)
         self.capacity_tokens = self.num_pages * page_size
+        self.max_sequences = max_sequences or min(self.num_pages, DEFAULT_MAX_SEQUENCES)
         self.specs = list(specs)
         self.prototypes = list(prototypes)
-        self.storage: list[SlotBuffers] = []
+        self.storage: list[SlotBuffers | StatePool] = []
         for spec, prototype in zip(self.specs, self.prototypes, strict=True):
+            if isinstance(spec, StateSpec):
+                self.storage.append(StatePool(spec, prototype.state_dtype, self.max_sequences))
+                continue
             one = attrs.evolve(spec, batch_size=1, max_positions=self.capacity_tokens)
             buffers = SlotBuffers(one, self.capacity_tokens, prototype.slots.layout, row_stacks=prototype.slots.stacks)
             buffers.reserve(self.capacity_tokens, live=0)
             self.storage.append(buffers)
-        mx.eval([buffers.read(stacked=True) for buffers in self.storage])
+        mx.eval([storage.arrays() if isinstance(storage, StatePool) else storage.read(stacked=True)
+                 for storage in self.storage])  # fmt: skip
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
         self._sequences: list[_Sequence] = []
         self._free_slots: list[int] = []
@@ -100,15 +114,26 @@ class BatchedCaches:
     # -- sequences -------------------------------------------------------------
 
     def open(self) -> SequenceHandle:
-        """A new, empty sequence (a released slot is reused under its next generation)."""
+        """A new, empty sequence (a released slot is reused under its next generation; its
+        recurrent states, if the model has any, start from zero)."""
         if self._free_slots:
             slot = self._free_slots.pop()
-        else:
+        elif len(self._sequences) < self.max_sequences:
             slot = len(self._sequences)
             self._sequences.append(_Sequence())
+        else:
+            raise OutOfPagesError(f"all {self.max_sequences} sequence slots are open (max_sequences)")
+        for storage in self.storage:
+            if isinstance(storage, StatePool):
+                storage.reset(slot)
         sequence = self._sequences[slot]
         sequence.live = True
         return SequenceHandle(slot, sequence.generation)
+
+    @property
+    def free_sequences(self) -> int:
+        """Sequences that can still be opened."""
+        return self.max_sequences - len(self._sequences) + len(self._free_slots)
 
     def release(self, handle: SequenceHandle) -> None:
         """Return the sequence's pages; its handle (and every copy) is refused from now on."""
@@ -159,8 +184,13 @@ class BatchedCaches:
 
     @property
     def nbytes_allocated(self) -> int:
-        """Bytes of the pages of every layer (allocated whole at creation)."""
-        return sum(array.nbytes for buffers in self.storage for array in buffers.read(stacked=True).values())
+        """Bytes of the pages of every attention layer (allocated whole at creation)."""
+        return sum(a.nbytes for s in self.storage if isinstance(s, SlotBuffers) for a in s.read(stacked=True).values())
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent layers' state pools (``max_sequences`` rows each)."""
+        return sum(a.nbytes for s in self.storage if isinstance(s, StatePool) for a in s.arrays())
 
     @property
     def live_positions(self) -> int:
@@ -169,8 +199,9 @@ class BatchedCaches:
 
     @property
     def nbytes_live(self) -> int:
-        """Bytes that encode the live positions of every open sequence, all layers."""
-        return sum(prototype.bytes_per_slot for prototype in self.prototypes) * self.live_positions
+        """Bytes that encode the live positions of every open sequence, all attention layers."""
+        per_position = sum(p.bytes_per_slot for p in self.prototypes if isinstance(p, BufferedSlotCache))
+        return per_position * self.live_positions
 
     # -- a forward ---------------------------------------------------------------
 
@@ -178,9 +209,10 @@ class BatchedCaches:
         """A forward of ``tokens`` new positions for each of ``handles`` (whose pages must hold them)."""
         return BatchedStep(self, [self._get(h) for h in handles], handles, tokens)
 
-    def views(self, step: BatchedStep) -> list[BatchedLayer]:
+    def views(self, step: BatchedStep) -> list[BatchedLayer | BatchedStateLayer]:
         """One view per layer for ``step``: what the model's layers take as caches."""
-        return [BatchedLayer(self, index, step) for index in range(len(self.specs))]
+        return [(BatchedStateLayer if isinstance(spec, StateSpec) else BatchedLayer)(self, index, step)
+                for index, spec in enumerate(self.specs)]  # fmt: skip
 
 
 class BatchedStep:
@@ -213,6 +245,8 @@ class BatchedStep:
             queries = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(tokens, dtype=mx.int32)
             self.mask = (mx.arange(length, dtype=mx.int32)[None, None] <= queries[:, :, None])[:, None]
         self.positions = starts[0] if len(sequences) == 1 else mx.array(starts, dtype=mx.int32)
+        self.rows = mx.array([h.slot for h in handles], dtype=mx.int32)
+        """Each sequence's row in the recurrent layers' state pools."""
 
     def advance(self) -> None:
         """Count the step's positions as held (after its forward is built)."""
@@ -240,3 +274,43 @@ class BatchedLayer:
         storage.write_at(self.step.write_slots, prototype.encode(keys, values))
         stored_keys, stored_values = prototype.decode(storage.read_at(self.step.read_index))
         return attend(queries, stored_keys, stored_values, scale=scale, mask=self.step.mask)
+
+
+class StatePool:
+    """A recurrent layer's states for many sequences: the convolution's last inputs
+    ``[rows, K - 1, conv_dim]`` and the state ``[rows, *state_shape]``, one row per sequence slot."""
+
+    def __init__(self, spec: StateSpec, state_dtype: mx.Dtype, rows: int):
+        self.spec = spec
+        self.conv = mx.zeros((rows, spec.conv_kernel - 1, spec.conv_dim), dtype=spec.dtype)
+        self.state = mx.zeros((rows, *spec.state_shape), dtype=state_dtype)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.conv, self.state]
+
+    def reset(self, row: int) -> None:
+        """Zero a row: where a new sequence starts."""
+        self.conv[row] = 0
+        self.state[row] = 0
+
+
+class BatchedStateLayer:
+    """One recurrent layer's view of a ``BatchedStep``: the ``StateCache`` call a mixer makes. The
+    step's rows of the pool are gathered, run through the scheme's ``mix`` (its kernels where it
+    has them) and written back."""
+
+    def __init__(self, caches: BatchedCaches, index: int, step: BatchedStep):
+        self.caches, self.index, self.step = caches, index, step
+        self.spec = attrs.evolve(caches.specs[index], batch_size=len(step.sequences))
+
+    @property
+    def absolute_position(self) -> int | mx.array:
+        return self.step.positions
+
+    def update_and_mix(self, mixer, *inputs: mx.array) -> mx.array:
+        prototype, pool, rows = self.caches.prototypes[self.index], self.caches.storage[self.index], self.step.rows
+        StateCache.check_inputs(self, mixer, inputs[0])
+        out, conv, state = prototype.mix(mixer, pool.conv[rows], pool.state[rows], *inputs)
+        pool.conv[rows] = conv.astype(pool.conv.dtype)
+        pool.state[rows] = state.astype(pool.state.dtype)
+        return out

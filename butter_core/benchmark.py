@@ -66,7 +66,7 @@ BENCH_KEYS: dict[str, str] = {
     "kv_bytes_live": "bytes that encode the live positions, all attention layers (batched: the most at once, "
     "all sequences)",
     "state_bytes": "bytes the recurrent layers' caches hold (convolution inputs and state; constant in N; 0 "
-    "without recurrent layers)",
+    "without recurrent layers; batched: the state pools, one row per sequence)",
     "bytes_per_token": "kv_bytes_live / positions held (N + decode_tokens per sequence)",
     "bytes_ratio_vs_raw": "bytes_per_token / raw's bytes_per_token at the same context (null without butter-raw)",
     "peak_memory_bytes": "MLX peak memory over a run (reset before it; the largest over --repeats): weights, "
@@ -254,6 +254,7 @@ class BatchRun:
     kv_bytes_live: int
     positions: int
     """Positions held when ``kv_bytes_live`` was."""
+    state_bytes: int
     peak_memory: int
 
 
@@ -276,7 +277,7 @@ def generate_batch_once(engine: Engine, prompts: Sequence[Sequence[int]], decode
 
     page = PAGE_SIZE
     capacity = sum(-(-(len(p) + decode_tokens) // page) * page for p in prompts)
-    caches = engine.make_batched_caches(capacity_tokens=capacity, page_size=page)
+    caches = engine.make_batched_caches(capacity_tokens=capacity, page_size=page, max_sequences=len(prompts))
     generation = BatchGeneration(engine, caches)
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -289,7 +290,7 @@ def generate_batch_once(engine: Engine, prompts: Sequence[Sequence[int]], decode
         if caches.nbytes_live > live:
             live, positions = caches.nbytes_live, caches.live_positions
     first, rate = steady_decode_rate(arrivals)
-    return BatchRun(first, rate, caches.nbytes_allocated, live, positions, mx.get_peak_memory())
+    return BatchRun(first, rate, caches.nbytes_allocated, live, positions, caches.state_bytes, mx.get_peak_memory())
 
 
 def summarize_batches(kind: CacheKind, context: int, batch: int, runs: Sequence[BatchRun]) -> BenchResult:
@@ -302,7 +303,7 @@ def summarize_batches(kind: CacheKind, context: int, batch: int, runs: Sequence[
         batch=batch,
         kv_bytes_allocated=last.kv_bytes_allocated,
         kv_bytes_live=last.kv_bytes_live,
-        state_bytes=0,
+        state_bytes=last.state_bytes,
         bytes_per_token=last.kv_bytes_live / last.positions,
         bytes_ratio_vs_raw=None,
         peak_memory_bytes=max(r.peak_memory for r in runs),

@@ -29,7 +29,7 @@ from butter_core.errors import ButterError, ConfigError
 from butter_core.kernels.backend import default_device_is_gpu
 from butter_core.layer_caches import kv_cache_kind, layer_kinds, make_layer_caches
 from butter_core.models import DecoderModel
-from butter_core.recurrent import StateSpec
+from butter_core.recurrent import StateCache, StateSpec
 from butter_core.sampling import GREEDY, Sampler
 from butter_core.slots import BufferedSlotCache
 from butter_core.window import WindowCache
@@ -98,30 +98,34 @@ class Engine:
             layer_windows=windows if any(windows) else None,
         )
 
-    def make_batched_caches(self, capacity_tokens: int, *, page_size: int = PAGE_SIZE) -> BatchedCaches:
-        """Paged storage for many sequences (``butter_core.batched``), ``capacity_tokens`` positions
-        in all, each layer in the scheme ``kv_cache`` gives it.
+    def make_batched_caches(
+        self, capacity_tokens: int, *, page_size: int = PAGE_SIZE, max_sequences: int | None = None
+    ) -> BatchedCaches:
+        """Storage for many sequences (``butter_core.batched``): pages holding ``capacity_tokens``
+        positions in all for the attention layers (scheme ``kv_cache``), and for recurrent layers
+        (scheme ``state_cache``) a state pool of ``max_sequences`` rows (default: one per page, at
+        most 64).
 
-        Not yet: recurrent layers (hybrid and state-space models), window eviction and sliding-window
-        layers; each is refused here with the reason.
+        Not yet: window eviction and sliding-window layers, refused here with the reason.
         """
         specs = self.layer_specs()
-        for spec in specs:
-            if not isinstance(spec, LayerSpec):
-                raise ConfigError(f"layer {spec.layer_index} is a {spec.layer_type} layer: batched caches hold "
-                                  "attention layers only so far (a pool of recurrent states is not built yet)")  # fmt: skip
         if self.options.kv_eviction is not None or any(self.network.layer_windows()):
             raise ConfigError("batched caches do not evict yet: drop --kv-window-size (kv_eviction); models with "
                               "sliding-window layers cannot run batched yet")  # fmt: skip
         prototypes = make_layer_caches(layer_kinds(self.options), [attrs.evolve(s, batch_size=1) for s in specs])
         for spec, cache in zip(specs, prototypes):
-            if not isinstance(cache, BufferedSlotCache) or type(cache).encode is BufferedSlotCache.encode:
+            if isinstance(spec, StateSpec):
+                if not isinstance(cache, StateCache):
+                    raise ConfigError(f"layer {spec.layer_index}: the state scheme's caches ({type(cache).__name__}) "
+                                      "are not StateCaches, whose mix batched state pools run")  # fmt: skip
+            elif not isinstance(cache, BufferedSlotCache) or type(cache).encode is BufferedSlotCache.encode:
                 raise ConfigError(
                     f"layer {spec.layer_index}: the {kv_cache_kind(self.options)} scheme's caches "
                     f"({type(cache).__name__}) do not define BufferedSlotCache.encode/decode, which batched "
                     "storage writes and reads pages with"
                 )
-        return BatchedCaches(specs, prototypes, capacity_tokens=capacity_tokens, page_size=page_size)
+        return BatchedCaches(specs, prototypes, capacity_tokens=capacity_tokens, page_size=page_size,
+                             max_sequences=max_sequences)  # fmt: skip
 
     def run_batched(self, ids: mx.array, caches: BatchedCaches, handles: Sequence[SequenceHandle]) -> mx.array:
         """Append ``ids`` (``[sequences, tokens]``, token ids checked or sampled) to the sequences

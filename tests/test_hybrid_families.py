@@ -28,7 +28,7 @@ from butter_core.errors import ModelLoadError
 from butter_core.loading.weights import WeightOptions, load_network
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
-from butter_core.recurrent import StateCache
+from butter_core.recurrent import StateCache, StateSpec
 from butter_core.testing.fixtures import example_kind
 from butter_core.testing.tiny_models import write_tokenizer
 from butter_core.window import WindowCache
@@ -209,6 +209,12 @@ def test_the_commands_run_a_hybrid_model(capsys, family_model, tmp_path):
     assert code == 0, err
     rows = json.loads(report.read_text())["results"]
     assert all(row["state_bytes"] > 0 and row["kv_bytes_live"] > 0 for row in rows)
+    code, _, err = _cli(capsys, "bench", "-m", path, "--kv-cache", "raw", "--context", "24", "--decode-tokens", "2",
+                        "--batch", "1,2", "--json", str(report))  # fmt: skip
+    assert code == 0, err
+    rows = json.loads(report.read_text())["results"]
+    one, two = (row for row in rows if row["scheme"] == "raw")
+    assert (one["batch"], two["batch"]) == (1, 2) and two["state_bytes"] == 2 * one["state_bytes"] > 0
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
     code, _, err = _cli(capsys, "quality", "-m", path, "--kv-cache", "raw", "--text", str(text), "--context", "120",
@@ -258,3 +264,26 @@ def test_nemotron_h_config_errors_name_the_key(family_model, edit, message):
     with pytest.raises(ModelLoadError, match=message) as info:
         Model.load(str(path))
     assert str(path / "config.json") in str(info.value)
+
+
+@pytest.mark.usefixtures("state_scheme", "raw_scheme")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_generate_batched_as_alone(family_model, family):
+    """Continuous batching over pages and state pools: each sequence's greedy tokens are those it
+    generates alone; with two sequence slots the third sequence reuses a slot, whose recurrent
+    state starts from zero again."""
+    model = Model.load(str(family_model(family)))
+    prompts = [model.encode_prompt(text) for text in ("The quick brown fox", "def add(a, b):", "Once upon a time")]
+    alone = [list(model.generate(p, max_tokens=n, stop_ids=())) for p, n in zip(prompts, (8, 4, 6))]
+    caches = model.engine.make_batched_caches(capacity_tokens=512, page_size=8, max_sequences=2)
+    batch = model.generate_batch(caches, prefill_chunk=5)
+    ids = [batch.add(p, max_tokens=n, stop_ids=()) for p, n in zip(prompts, (8, 4, 6))]
+    got: dict[int, list[int]] = {}
+    most = 0
+    while batch.active:
+        for sequence_id, token in batch.step():
+            got.setdefault(sequence_id, []).append(token)
+        most = max(most, batch.running)
+    assert most == 2 and [got[i] for i in ids] == alone
+    recurrent = sum(isinstance(s, StateSpec) for s in model.engine.layer_specs())
+    assert (caches.state_bytes > 0) == (recurrent > 0)
