@@ -254,8 +254,8 @@ class BatchedStep:
             sequence.length += self.tokens
 
 
-class BatchedLayer:
-    """One layer's view of a ``BatchedStep``: the ``AttentionCache`` calls a model's attention makes."""
+class StepView:
+    """One layer's view of a ``BatchedStep``, sized for its sequences."""
 
     def __init__(self, caches: BatchedCaches, index: int, step: BatchedStep):
         self.caches, self.index, self.step = caches, index, step
@@ -265,6 +265,10 @@ class BatchedLayer:
     def absolute_position(self) -> int | mx.array:
         """Each sequence's next position (an int for one sequence, else ``[batch]``): RoPE offsets."""
         return self.step.positions
+
+
+class BatchedLayer(StepView):
+    """An attention layer's view: the ``AttentionCache`` call a model's attention makes."""
 
     def update_and_attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float) -> mx.array:
         check_chunk(self.spec, keys, values, queries)
@@ -294,18 +298,9 @@ class StatePool:
         self.state[row] = 0
 
 
-class BatchedStateLayer:
-    """One recurrent layer's view of a ``BatchedStep``: the ``StateCache`` call a mixer makes. The
-    step's rows of the pool are gathered, run through the scheme's ``mix`` (its kernels where it
-    has them) and written back."""
-
-    def __init__(self, caches: BatchedCaches, index: int, step: BatchedStep):
-        self.caches, self.index, self.step = caches, index, step
-        self.spec = attrs.evolve(caches.specs[index], batch_size=len(step.sequences))
-
-    @property
-    def absolute_position(self) -> int | mx.array:
-        return self.step.positions
+class BatchedStateLayer(StepView):
+    """A recurrent layer's view: the ``StateCache`` call a mixer makes. The step's rows of the pool
+    are gathered, run through the scheme's ``mix`` (its kernels where it has them) and written back."""
 
     def update_and_mix(self, mixer, *inputs: mx.array) -> mx.array:
         prototype, pool, rows = self.caches.prototypes[self.index], self.caches.storage[self.index], self.step.rows
