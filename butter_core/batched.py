@@ -21,10 +21,10 @@ A forward over some sequences is a ``BatchedStep``: where each new row goes, whi
 sequence attends to (its pages, gathered), and the mask; computed once and shared by every
 layer's ``BatchedLayer`` view, which is what the model's attention calls
 (``update_and_attend``, ``absolute_position``: one RoPE offset per sequence). The view writes
-the rows with the scheme's ``encode`` (one scatter per buffer for all sequences) and attends
-over its ``decode`` of the gathered pages: every ``BufferedSlotCache`` scheme that defines
-``encode``/``decode`` runs batched unchanged. (This is the pure-``mx`` path; fused kernels
-that read pages in place are the next step.)
+the rows with the scheme's ``encode`` (one scatter per buffer for all sequences) and, for a
+decode step, attends through the scheme's ``paged_decode`` kernel where it has one (pages
+read in place: butter-raw on a GPU), else over its ``decode`` of the gathered pages: every
+``BufferedSlotCache`` scheme that defines ``encode``/``decode`` runs batched unchanged.
 
 Release and computations in flight: MLX arrays are values. A step's reads hold the storage
 arrays they read, and a write makes a new array unless nothing else holds the old one, so a
@@ -236,8 +236,12 @@ class BatchedStep:
         self.write_slots = mx.array(writes, dtype=mx.int32)
         length = max(ends)
         held = -(-length // page)
-        table = mx.array([s.pages[:held] + [s.pages[0]] * (held - min(held, len(s.pages))) for s in sequences], dtype=mx.int32)
-        slots = (table[:, :, None] * page + mx.arange(page, dtype=mx.int32)).reshape(len(sequences), -1)
+        self.table = mx.array([s.pages[:held] + [s.pages[0]] * (held - min(held, len(s.pages))) for s in sequences],
+                              dtype=mx.int32)  # fmt: skip
+        """Each sequence's pages ``[sequences, pages]`` (padded with its first), for paged kernels."""
+        self.lengths = mx.array(ends, dtype=mx.int32)
+        self.length = length
+        slots = (self.table[:, :, None] * page + mx.arange(page, dtype=mx.int32)).reshape(len(sequences), -1)
         self.read_index = slots[:, :length]
         if len(sequences) == 1:
             self.mask = "causal" if tokens > 1 else None
@@ -274,9 +278,14 @@ class BatchedLayer(StepView):
         check_chunk(self.spec, keys, values, queries)
         if keys.shape[2] != self.step.tokens:
             raise ConfigError(f"layer {self.spec.layer_index}: {keys.shape[2]} tokens in a step of {self.step.tokens}")
-        prototype, storage = self.caches.prototypes[self.index], self.caches.storage[self.index]
-        storage.write_at(self.step.write_slots, prototype.encode(keys, values))
-        stored_keys, stored_values = prototype.decode(storage.read_at(self.step.read_index))
+        prototype, storage, step = self.caches.prototypes[self.index], self.caches.storage[self.index], self.step
+        storage.write_at(step.write_slots, prototype.encode(keys, values))
+        if step.tokens == 1:
+            out = prototype.paged_decode(queries, storage.read(), step.table, step.lengths, self.caches.page_size,
+                                         step.length, scale)  # fmt: skip
+            if out is not None:
+                return out.astype(queries.dtype)
+        stored_keys, stored_values = prototype.decode(storage.read_at(step.read_index))
         return attend(queries, stored_keys, stored_values, scale=scale, mask=self.step.mask)
 
 

@@ -210,6 +210,17 @@ class BufferedSlotCache(SlotCache):
         """Keys and values ``[batch, heads, slots, head_dim]`` (floats) of ``rows`` by buffer name."""
         raise NotImplementedError(f"{type(self).__name__} does not define decode")
 
+    def paged_decode(
+        self, queries: mx.array, buffers: dict[str, mx.array], table: mx.array, lengths: mx.array,
+        page_size: int, length: int, scale: float,
+    ) -> mx.array | None:  # fmt: skip
+        """Optional: one query token per sequence attending over its pages of shared storage, read in
+        place (``buffers`` by name, each ``[1, heads, slots, width]``; sequence ``b``'s position ``p``
+        in slot ``table[b, p // page_size] * page_size + p % page_size``, its live positions
+        ``lengths[b]``, at most ``length``), in the queries' dtype; None where this scheme has no
+        such kernel here, and batched storage gathers the pages and calls ``decode`` instead."""
+        return None
+
     def store(self, start, keys, values, position):
         self.slots.write(start, self.encode(keys, values), live=self.length)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.plugin_api import BufferedSlotCache, LayerSpec
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec, default_device_is_gpu, gpu_backend
+from butter_raw import kernels
 from butter_raw.kind import Raw
 
 
@@ -29,3 +30,10 @@ class RawCache(BufferedSlotCache):
 
     def decode(self, rows):
         return rows["keys"], rows["values"]
+
+    def paged_decode(self, queries, buffers, table, lengths, page_size, length, scale):
+        keys, values = buffers["keys"], buffers["values"]
+        if not (default_device_is_gpu() and gpu_backend() is not None and queries.dtype == keys.dtype
+                and keys.dtype in kernels.SUPPORTED_DTYPES and keys.shape[-1] in kernels.SUPPORTED_HEAD_DIMS):
+            return None
+        return kernels.paged_sdpa_decode(queries, keys, values, table, lengths, page_size, length, scale)

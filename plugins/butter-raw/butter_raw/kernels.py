@@ -12,9 +12,13 @@
   donated, far cheaper than this kernel or any full copy. Slice assignment is the append
   path; keep no other reference to the old buffer (not even a view) or MLX copies it
   whole.
+- ``paged_sdpa_decode``: the same attention for many sequences at once over shared paged
+  storage (``butter_core.batched``): each sequence's keys read in place through its page
+  table, up to its own length; the partials pass is ``sdpa_decode``'s, with the slot of a
+  key and the live length per sequence (``_partials_body``).
 
-``bench/gpu_raw_kernels.py`` measures both (docs/benchmarks.md,
-"plugins/butter-raw/butter_raw/kernels.py"). ``KERNEL_CHECKS`` lists both for the
+``bench/gpu_raw_kernels.py`` measures the first two (docs/benchmarks.md,
+"plugins/butter-raw/butter_raw/kernels.py"). ``KERNEL_CHECKS`` lists all three for the
 conformance suite.
 """
 
@@ -39,12 +43,7 @@ _TARGET_BLOCKS = 512
 """The split count aims at this many threadgroups in the partials pass on an H200
 (``split_k.plan`` scales it to the device's multiprocessors)."""
 
-_SDPA_PARTIALS = Kernel(
-    name="butter_raw_sdpa_decode_partials",
-    input_names=("queries", "keys", "values", "length", "scale"),
-    output_names=("partial_acc", "partial_max", "partial_sum"),
-    helpers=split_k.SPLIT_K_HELPERS,
-    body="""
+_PARTIALS_BODY = """
   // One threadgroup: one (batch, kv head, group of HEADS query heads) and one split of
   // the live keys. A key's D values are spread over LANES_PER_KEY lanes, VEC per lane,
   // so a warp holds KEYS_PER_WARP keys at once; each lane's stream takes TILE keys per
@@ -56,13 +55,13 @@ _SDPA_PARTIALS = Kernel(
   constexpr int KEYS_PER_STEP = WARPS * KEYS_PER_WARP * TILE;
 
   const SplitKBlock block = splitk_block<HEADS>(
-      block_idx, grid_dim, queries_shape[1], keys_shape[1], length[0]);
+      block_idx, grid_dim, queries_shape[1], keys_shape[1], LIVE);
   const int start = block.start;
   const int end = block.end;
   const int allocated = keys_shape[2];
   const int sub = lane_id % LANES_PER_KEY;
   const int slot = lane_id / LANES_PER_KEY;
-  const int64_t kv_offset = static_cast<int64_t>(block.batch_kv_head) * allocated * D + sub * VEC;
+  const int64_t kv_offset = static_cast<int64_t>(KV_ROWS) * allocated * D + sub * VEC;
 
   const float q_scale = scale[0] * 1.4426950408889634f;
   float q[HEADS][VEC];
@@ -91,7 +90,8 @@ _SDPA_PARTIALS = Kernel(
     for (int t = 0; t < TILE; ++t) {
       const int key = base + t * KEYS_PER_WARP + slot;
       valid[t] = key < end;
-      const int64_t row = kv_offset + static_cast<int64_t>(valid[t] ? key : base) * D;
+      const int at = valid[t] ? key : base;
+      const int64_t row = kv_offset + SLOT(at) * D;
       bt_load<VEC>(keys + row, k[t]);
       bt_load<VEC>(values + row, v[t]);
     }
@@ -138,7 +138,39 @@ _SDPA_PARTIALS = Kernel(
   splitk_write_partials<HEADS, VEC, D, WARPS>(
       m, l, acc, sub, slot, warp_id, thread_rank, block,
       warp_m, warp_l, warp_acc, partial_acc, partial_max, partial_sum);
-""",
+"""
+"""The partials pass of both decode kernels, with three expressions left open: ``LIVE`` (the live
+keys of this block's sequence), ``KV_ROWS`` (which ``allocated``-slot run of the K/V arrays is
+this block's: its batch and KV head) and ``SLOT(at)`` (the slot holding key ``at``)."""
+
+
+def _partials_body(live: str, kv_rows: str, slot: str) -> str:
+    return _PARTIALS_BODY.replace("LIVE", live).replace("KV_ROWS", kv_rows).replace("SLOT(at)", slot)
+
+
+_SDPA_PARTIALS = Kernel(
+    name="butter_raw_sdpa_decode_partials",
+    input_names=("queries", "keys", "values", "length", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=split_k.SPLIT_K_HELPERS,
+    body=_partials_body("length[0]", "block.batch_kv_head", "static_cast<int64_t>(at)"),
+)
+
+_PAGED_PARTIALS = Kernel(
+    name="butter_raw_paged_decode_partials",
+    input_names=("queries", "keys", "values", "table", "lengths", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=split_k.SPLIT_K_HELPERS,
+    body=(
+        "  // Paged storage: keys/values [1, kv heads, slots, D] shared by every sequence; sequence b's\n"
+        "  // position p is in slot table[b, p / PAGE] * PAGE + p % PAGE, its live keys lengths[b].\n"
+        "  const int sequence = (block_idx.x / (queries_shape[1] / keys_shape[1] / HEADS)) / keys_shape[1];\n"
+        "  const int64_t pages = static_cast<int64_t>(sequence) * table_shape[1];\n"
+        + _partials_body(
+            "lengths[sequence]", "block.kv_head",
+            "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)",
+        )
+    ),
 )
 
 _KV_CACHE_UPDATE = Kernel(
@@ -232,6 +264,77 @@ def sdpa_decode_reference(
     return (weights @ v).reshape(queries.shape).astype(queries.dtype)
 
 
+def _check_paged_args(queries, keys, values, table, lengths, page_size, length) -> None:
+    if queries.ndim != 4 or queries.shape[2] != 1:
+        raise ValueError(f"queries must be [B, n_q_heads, 1, D], got {queries.shape}")
+    if keys.shape != values.shape or keys.ndim != 4 or keys.shape[0] != 1:
+        raise ValueError(f"keys and values must be equal paged storage [1, n_kv_heads, slots, D], got "
+                         f"{keys.shape} and {values.shape}")
+    batch, q_heads, _, dims = queries.shape
+    if keys.shape[3] != dims or q_heads % keys.shape[1]:
+        raise ValueError(f"queries {queries.shape} do not match keys {keys.shape}")
+    if table.ndim != 2 or table.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"table must be [B, pages] and lengths [B] for B = {batch}; got {table.shape}, {lengths.shape}")
+    if table.dtype != mx.int32 or lengths.dtype != mx.int32:
+        raise ValueError("table and lengths must be int32")
+    if not 0 < length <= table.shape[1] * page_size:
+        raise ValueError(f"length {length} outside 1..{table.shape[1] * page_size} (the table's pages)")
+
+
+def paged_sdpa_decode(
+    queries: mx.array, keys: mx.array, values: mx.array, table: mx.array, lengths: mx.array,
+    page_size: int, length: int, scale: float,
+) -> mx.array:  # fmt: skip
+    """Attention of one query token per sequence over its pages of shared K/V storage.
+
+    ``queries`` ``[B, n_q_heads, 1, D]``; ``keys``/``values`` the paged storage ``[1, n_kv_heads,
+    slots, D]`` of every sequence (read in place, never gathered); sequence ``b``'s position
+    ``p`` is in slot ``table[b, p // page_size] * page_size + p % page_size`` and it attends to
+    its first ``lengths[b]`` positions (``lengths`` on the device: ``length`` is their maximum,
+    known to the host, which sizes the splits). Otherwise as ``sdpa_decode``.
+    """
+    _check_paged_args(queries, keys, values, table, lengths, page_size, length)
+    dtype = queries.dtype
+    if dtype not in SUPPORTED_DTYPES or keys.dtype != dtype or values.dtype != dtype:
+        raise ValueError(f"dtypes must match and be one of {SUPPORTED_DTYPES}")
+    batch, q_heads, _, dims = queries.shape
+    if dims not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {dims} not in {SUPPORTED_HEAD_DIMS}")
+    launch = split_k.plan(
+        batch=batch, q_heads=q_heads, kv_heads=keys.shape[1], dims=dims, length=length,
+        warps=_WARPS, max_heads=_MAX_HEADS_PER_BLOCK, min_keys=_MIN_KEYS_PER_SPLIT,
+        target_blocks=_TARGET_BLOCKS,
+    )  # fmt: skip
+    partials = _PAGED_PARTIALS(
+        inputs=[queries, keys, values, table, lengths, kernel_params((scale,), mx.float32)],
+        template=[("T", dtype), ("D", dims), ("HEADS", launch.heads), ("WARPS", _WARPS), ("TILE", _TILE),
+                  ("PAGE", page_size)],  # fmt: skip
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=launch.output_shapes,
+        output_dtypes=launch.output_dtypes,
+    )
+    return split_k.merge_partials(*partials, dtype)
+
+
+def paged_sdpa_decode_reference(
+    queries: mx.array, keys: mx.array, values: mx.array, table: mx.array, lengths: mx.array,
+    page_size: int, length: int, scale: float,
+) -> mx.array:  # fmt: skip
+    """The same through plain mx ops: each sequence's pages gathered, its live keys masked, float32."""
+    _check_paged_args(queries, keys, values, table, lengths, page_size, length)
+    batch, q_heads, _, dims = queries.shape
+    kv_heads = keys.shape[1]
+    slots = (table[:, :, None] * page_size + mx.arange(page_size, dtype=mx.int32)).reshape(batch, -1)[:, :length]
+    k = keys[0][:, slots].transpose(1, 0, 2, 3).astype(mx.float32)
+    v = values[0][:, slots].transpose(1, 0, 2, 3).astype(mx.float32)
+    q = queries.astype(mx.float32).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+    live = mx.arange(length)[None, None, None] < lengths[:, None, None, None]
+    weights = mx.softmax(mx.where(live, scores, -mx.inf), axis=-1)
+    return (weights @ v).reshape(queries.shape).astype(queries.dtype)
+
+
 def kv_cache_update(cache: mx.array, rows: mx.array, offset: int) -> mx.array:
     """A copy of ``cache`` ``[B, H, S, D]`` with ``rows`` ``[B, H, n, D]`` written at
     positions ``offset .. offset + n``. Reads and writes the whole buffer."""
@@ -314,6 +417,50 @@ def make_update_inputs(
     }
 
 
+def make_paged_inputs(
+    seed: int,
+    *,
+    batch: int = 3,
+    q_heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 128,
+    page_size: int = 16,
+    lengths: tuple[int, ...] = (1, 40, 33),
+    dtype: mx.Dtype = mx.bfloat16,
+) -> dict:
+    """Random ``paged_sdpa_decode`` arguments: each sequence's pages scattered through the storage
+    in a shuffled order (with free pages between), every slot outside a live position holding
+    1e3, so a kernel that reads another sequence's or a dead slot gets a visibly wrong result."""
+    rng = np.random.default_rng(seed)
+    pages = [-(-n // page_size) for n in lengths[:batch]]
+    total = 2 * sum(pages) + 1
+    order = rng.permutation(total)
+    table = np.zeros((batch, max(pages)), dtype=np.int32)
+    shape = (1, kv_heads, total * page_size, head_dim)
+    keys = np.full(shape, 1e3, dtype=np.float32)
+    values = np.full(shape, 1e3, dtype=np.float32)
+    taken = 0
+    for b, (count, n) in enumerate(zip(pages, lengths)):
+        table[b, :count] = order[taken : taken + count]
+        table[b, count:] = table[b, 0]
+        taken += count
+        for p in range(n):
+            slot = table[b, p // page_size] * page_size + p % page_size
+            keys[0, :, slot] = rng.standard_normal((kv_heads, head_dim))
+            values[0, :, slot] = rng.standard_normal((kv_heads, head_dim))
+    queries = rng.standard_normal((batch, q_heads, 1, head_dim), dtype=np.float32)
+    return {
+        "queries": mx.array(queries).astype(dtype),
+        "keys": mx.array(keys).astype(dtype),
+        "values": mx.array(values).astype(dtype),
+        "table": mx.array(table),
+        "lengths": mx.array(np.array(lengths[:batch], dtype=np.int32)),
+        "page_size": page_size,
+        "length": max(lengths[:batch]),
+        "scale": head_dim**-0.5,
+    }
+
+
 KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck(
         name="sdpa_decode",
@@ -330,6 +477,19 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
              "dtype": mx.float16},
             {"length": 3000, "allocated": 4096, "q_heads": 28, "kv_heads": 4,
              "dtype": mx.float32},
+        ),
+    ),
+    KernelCheck(
+        name="paged_sdpa_decode",
+        kernel=paged_sdpa_decode,
+        reference=paged_sdpa_decode_reference,
+        make_inputs=make_paged_inputs,
+        cases=(
+            {},
+            {"lengths": (5,), "batch": 1, "dtype": mx.float16, "head_dim": 64},
+            {"lengths": (700, 64, 1, 333), "batch": 4, "page_size": 64, "q_heads": 16, "kv_heads": 4,
+             "dtype": mx.float32},
+            {"lengths": (1200, 17), "batch": 2, "page_size": 32, "q_heads": 32, "kv_heads": 8},
         ),
     ),
     KernelCheck(

@@ -124,3 +124,19 @@ def test_sdpa_decode_uses_the_shared_split_k_pieces():
     # What sdpa_decode launched before the move: 4 query heads per block, 64 splits.
     assert (launch.heads, launch.n_splits) == (4, 64)
     assert launch.grid == (128 * 8, 64, 1) and launch.threadgroup == (128, 1, 1)
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_paged_reference_is_each_sequence_alone(page_size):
+    """The paged reference attends each sequence over its own positions only, whatever the other
+    pages hold: against float64 attention over that sequence's rows, gathered by hand."""
+    lengths = (1, 40, 33)
+    inputs = kernels.make_paged_inputs(3, lengths=lengths, page_size=page_size, dtype=mx.float32)
+    out = np.asarray(kernels.paged_sdpa_decode_reference(**inputs))
+    table = np.asarray(inputs["table"])
+    for b, n in enumerate(lengths):
+        slots = [int(table[b, p // page_size]) * page_size + p % page_size for p in range(n)]
+        keys, values = inputs["keys"][:, :, slots], inputs["values"][:, :, slots]
+        expected = numpy_attention(inputs["queries"][b : b + 1], keys, values, n, inputs["scale"])
+        np.testing.assert_allclose(out[b : b + 1], expected, rtol=1e-5, atol=1e-6)
