@@ -209,6 +209,22 @@ def _check_attention_args(
         raise ValueError(f"length {length} outside 1..{keys.shape[2]}")
 
 
+def _partials_launch(queries: mx.array, keys: mx.array, values: mx.array, length: int):
+    """``(dtype, head dim, split-K launch)`` of either decode kernel, after checking dtypes and head dim."""
+    dtype = queries.dtype
+    if dtype not in SUPPORTED_DTYPES or keys.dtype != dtype or values.dtype != dtype:
+        raise ValueError(f"dtypes must match and be one of {SUPPORTED_DTYPES}")
+    batch, q_heads, _, dims = queries.shape
+    if dims not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {dims} not in {SUPPORTED_HEAD_DIMS}")
+    launch = split_k.plan(
+        batch=batch, q_heads=q_heads, kv_heads=keys.shape[1], dims=dims, length=length,
+        warps=_WARPS, max_heads=_MAX_HEADS_PER_BLOCK, min_keys=_MIN_KEYS_PER_SPLIT,
+        target_blocks=_TARGET_BLOCKS,
+    )
+    return dtype, dims, launch
+
+
 def sdpa_decode(
     queries: mx.array, keys: mx.array, values: mx.array, length: int, scale: float
 ) -> mx.array:
@@ -221,17 +237,7 @@ def sdpa_decode(
     accumulation run in float32; the result has the queries' dtype and shape.
     """
     _check_attention_args(queries, keys, values, length)
-    dtype = queries.dtype
-    if dtype not in SUPPORTED_DTYPES or keys.dtype != dtype or values.dtype != dtype:
-        raise ValueError(f"dtypes must match and be one of {SUPPORTED_DTYPES}")
-    batch, q_heads, _, dims = queries.shape
-    if dims not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {dims} not in {SUPPORTED_HEAD_DIMS}")
-    launch = split_k.plan(
-        batch=batch, q_heads=q_heads, kv_heads=keys.shape[1], dims=dims, length=length,
-        warps=_WARPS, max_heads=_MAX_HEADS_PER_BLOCK, min_keys=_MIN_KEYS_PER_SPLIT,
-        target_blocks=_TARGET_BLOCKS,
-    )
+    dtype, dims, launch = _partials_launch(queries, keys, values, length)
     partials = _SDPA_PARTIALS(
         inputs=[
             queries,
@@ -294,17 +300,7 @@ def paged_sdpa_decode(
     known to the host, which sizes the splits). Otherwise as ``sdpa_decode``.
     """
     _check_paged_args(queries, keys, values, table, lengths, page_size, length)
-    dtype = queries.dtype
-    if dtype not in SUPPORTED_DTYPES or keys.dtype != dtype or values.dtype != dtype:
-        raise ValueError(f"dtypes must match and be one of {SUPPORTED_DTYPES}")
-    batch, q_heads, _, dims = queries.shape
-    if dims not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {dims} not in {SUPPORTED_HEAD_DIMS}")
-    launch = split_k.plan(
-        batch=batch, q_heads=q_heads, kv_heads=keys.shape[1], dims=dims, length=length,
-        warps=_WARPS, max_heads=_MAX_HEADS_PER_BLOCK, min_keys=_MIN_KEYS_PER_SPLIT,
-        target_blocks=_TARGET_BLOCKS,
-    )  # fmt: skip
+    dtype, dims, launch = _partials_launch(queries, keys, values, length)
     partials = _PAGED_PARTIALS(
         inputs=[queries, keys, values, table, lengths, kernel_params((scale,), mx.float32)],
         template=[("T", dtype), ("D", dims), ("HEADS", launch.heads), ("WARPS", _WARPS), ("TILE", _TILE),
