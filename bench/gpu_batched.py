@@ -1,0 +1,140 @@
+"""Batched decode on a GPU: butter's ``BatchGeneration`` over paged caches against mlx-lm's ``BatchKVCache``.
+
+A Qwen3-1.7B-shaped model with random bf16 weights (``gpu_bench.QWEN3_1_7B``); both engines
+hold the same weights (mlx-lm's ``qwen3.Model`` loads butter's parameters, whose names it
+shares). For each batch size B (``--batch``): B prompts of ``--context`` random tokens,
+``--decode-tokens`` greedy tokens each, no stop token.
+
+- butter, per scheme (``--kv-cache``): ``make_batched_caches`` with exactly the pages the run
+  needs, ``BatchGeneration`` prefilling 8 whole prompts per step; decode tok/s is the
+  aggregate after every sequence has its first token (``benchmark.steady_decode_rate``).
+- mlx-lm 0.32.2: the core of its batched decode restated (importing ``mlx_lm.generate`` needs
+  transformers, which the GPU machine lacks): ``BatchKVCache`` per layer, all B prompts
+  prefilled together in chunks of 2048 (its default step), then one ``[B, 1]`` forward per
+  step, each step's graph built while the previous evaluates (``mx.async_eval``), as its
+  ``GenerationBatch`` does; decode tok/s = B * (steps - 1) / time between first and last.
+
+Peak memory is MLX's, reset before each run. Usage:
+
+    python3 bench/gpu_batched.py [--batch 1 8 32 64] [--context 4096] [--decode-tokens 64]
+        [--kv-cache raw,affine4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+import time
+import types
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from butter_core import LoadOptions, parse_kv_cache
+from butter_core.batch_generation import BatchGeneration
+from butter_core.batched import PAGE_SIZE
+from butter_core.benchmark import steady_decode_rate
+from butter_core.engine import Engine
+from gpu_bench import QWEN3_1_7B, random_qwen3
+
+PREFILL_SEQUENCES = 8
+
+
+def mlx_lm_module(name: str):
+    """``mlx_lm.<name>`` without running ``mlx_lm/__init__.py`` (which imports transformers)."""
+    if "mlx_lm" not in sys.modules:
+        package = types.ModuleType("mlx_lm")
+        package.__path__ = list(importlib.util.find_spec("mlx_lm").submodule_search_locations)
+        sys.modules["mlx_lm"] = package
+    return importlib.import_module(f"mlx_lm.{name}")
+
+
+def run_butter(network, kind, prompts: mx.array, decode: int) -> dict:
+    engine = Engine(network, LoadOptions(kv_cache=kind))
+    batch, context = prompts.shape
+    pages = -(-(context + decode) // PAGE_SIZE)
+    caches = engine.make_batched_caches(capacity_tokens=batch * pages * PAGE_SIZE, max_sequences=batch)
+    generation = BatchGeneration(engine, caches, prefill_chunk=PREFILL_SEQUENCES * context)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for row in range(batch):
+        generation.add(prompts[row], max_tokens=decode, stop_ids=())
+    arrivals = []
+    while generation.active:
+        for sequence, _ in generation.step():
+            arrivals.append((sequence, time.perf_counter() - start))
+    first, rate = steady_decode_rate(arrivals)
+    return {"first_s": first, "tok_s": rate, "peak_gib": mx.get_peak_memory() / 2**30}
+
+
+def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
+    cache_module = mlx_lm_module("models.cache")
+    batch, context = prompts.shape
+    caches = [cache_module.BatchKVCache([0] * batch) for _ in model.layers]
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for offset in range(0, context - 1, 2048):
+        model(prompts[:, offset : min(offset + 2048, context - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+        mx.clear_cache()
+
+    def step(tokens):
+        return mx.argmax(model(tokens[:, None], cache=caches)[:, -1], axis=-1)
+
+    y = step(prompts[:, -1])
+    mx.async_eval(y)
+    times = []
+    for n in range(decode):
+        following = step(y) if n + 1 < decode else None
+        if following is not None:
+            mx.async_eval(following)
+        y.tolist()
+        times.append(time.perf_counter() - start)
+        y = following
+    return {"first_s": times[0], "tok_s": batch * (decode - 1) / (times[-1] - times[0]),
+            "peak_gib": mx.get_peak_memory() / 2**30}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--kv-cache", default="raw,affine4")
+    args = parser.parse_args()
+    network = random_qwen3()
+    qwen3 = mlx_lm_module("models.qwen3")
+    reference = qwen3.Model(qwen3.ModelArgs.from_dict(QWEN3_1_7B))
+    reference.load_weights(tree_flatten(network.parameters()))
+    mx.eval(reference.parameters())
+    kinds = [parse_kv_cache(name) for name in args.kv_cache.split(",")]
+    print(f"MLX {mx.__version__}, {mx.device_info().get('device_name', '')}; Qwen3-1.7B-shaped bf16, context "
+          f"{args.context}, {args.decode_tokens} decode tokens per sequence; aggregate decode tok/s")  # fmt: skip
+    for batch in args.batch:
+        prompts = mx.random.randint(0, QWEN3_1_7B["vocab_size"], (batch, args.context), key=mx.random.key(batch)).astype(mx.uint32)
+        results = {}
+        for name, run in [("mlx-lm", lambda: run_mlx_lm(reference, prompts, args.decode_tokens))] + [
+            (str(kind), lambda kind=kind: run_butter(network, kind, prompts, args.decode_tokens)) for kind in kinds
+        ]:
+            try:
+                run()  # the first run of each compiles its kernels
+                results[name] = run()
+            except Exception as exc:  # noqa: BLE001 - report and go on (out of memory at large B)
+                results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+            mx.clear_cache()
+        base = results["mlx-lm"].get("tok_s")
+        for name, r in results.items():
+            if "error" in r:
+                print(f"B={batch:<3} {name:<9} {r['error']}", flush=True)
+                continue
+            ratio = f"{r['tok_s'] / base:.2f}x mlx-lm" if base else ""
+            print(f"B={batch:<3} {name:<9} {r['tok_s']:9.1f} tok/s  all first tokens {r['first_s']:6.2f} s  "
+                  f"peak {r['peak_gib']:6.1f} GiB  {ratio}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
