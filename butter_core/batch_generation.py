@@ -15,7 +15,10 @@ the order they were added, while a sequence slot is free; a sequence's pages are
 at admission, so a running sequence never runs out of room), decode one token for every running sequence in one forward
 (``[sequences, 1]``), then prefill the next chunk of the first admitted sequence still reading
 its prompt, together with the other such sequences whose next chunk is as long, within
-``prefill_chunk`` tokens in all (``[sequences, tokens]``: equal-length prompts prefill as one). Each sequence has its own sampler, ``max_tokens`` and stop
+``prefill_chunk`` tokens in all (``[sequences, tokens]``: equal-length prompts prefill as one).
+The tokens a step samples stay on the device: the next step feeds them and queues its own
+work before the host reads them (a decode step is host-bound on a GPU otherwise), so a
+sequence that reads a stop id has had one more token computed, never yielded. Each sequence has its own sampler, ``max_tokens`` and stop
 ids; a stop id ends it unyielded, as in ``Model.generate``. A sequence that ends releases its
 pages at once (``BatchedCaches.release``). A sequence's tokens do not depend on its
 neighbours: rows are independent in every layer, and attention masks each sequence to its own
@@ -44,9 +47,13 @@ class _Request:
     handle: SequenceHandle | None = None
     fed: int = 0
     """Prompt tokens prefilled so far."""
+    sampled: int = 0
+    """Tokens sampled so far, the last possibly not yet read."""
     generated: int = 0
-    pending: int | None = None
-    """The last token yielded, to be fed at the next decode step."""
+    """Tokens read (yielded, or the stop id that ended it)."""
+    pending: mx.array | None = None
+    """The last token sampled, on the device, to be fed at the next decode step (None: none to
+    feed; the last of ``max_tokens`` is never fed)."""
 
 
 class BatchGeneration:
@@ -68,6 +75,8 @@ class BatchGeneration:
         self._running: dict[int, _Request] = {}
         self.finish_reasons: dict[int, str] = {}
         """Sequence id -> "stop", "length" or "cancelled", once it has ended."""
+        self._in_flight: tuple[list[int], mx.array | None] = ([], None)
+        """The sequences whose tokens the last step sampled, and those tokens (not read yet)."""
         self._next_id = 0
 
     def add(
@@ -118,33 +127,42 @@ class BatchGeneration:
             yield from self.step()
 
     def step(self) -> list[tuple[int, int]]:
-        """Admit, decode every running sequence one token, prefill one chunk; the tokens produced."""
+        """Admit; decode every running sequence one token; prefill one chunk; then read the tokens the
+        previous step sampled (the ones returned), so that this step's graph is built and queued on
+        the device before the host waits for the previous one."""
         self._admit()
-        produced: list[tuple[int, int]] = []
+        sampled: list[tuple[int, mx.array]] = []
         decoding = [i for i, r in self._running.items() if r.pending is not None]
         if decoding:
             requests = [self._running[i] for i in decoding]
-            ids = mx.array([[r.pending] for r in requests], dtype=mx.uint32)
+            ids = mx.stack([r.pending for r in requests])[:, None]
             logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests])
-            tokens = mx.stack([r.sampler(logits[row]) for row, r in enumerate(requests)]).tolist()
-            for sequence_id, token in zip(decoding, tokens):
-                self._emit(sequence_id, token, produced)
+            sampled += [(i, r.sampler(logits[row])) for row, (i, r) in enumerate(zip(decoding, requests))]
         group = self._prefill_group()
         if group:
             requests = [self._running[i] for i in group]
             tokens = min(self.prefill_chunk, requests[0].prompt.size - requests[0].fed)
             ids = mx.stack([r.prompt[r.fed : r.fed + tokens] for r in requests])
             logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests])
-            done = []
             for row, (sequence_id, request) in enumerate(zip(group, requests)):
                 request.fed += tokens
                 if request.fed == request.prompt.size:
-                    done.append((sequence_id, request.sampler(logits[row])))
-            if done:
-                for (sequence_id, _), token in zip(done, mx.stack([t for _, t in done]).tolist()):
+                    sampled.append((sequence_id, request.sampler(logits[row])))
+            if len(sampled) == len(decoding):
+                mx.async_eval(logits)
+        for sequence_id, token in sampled:
+            request = self._running[sequence_id]
+            request.sampled += 1
+            request.pending = token if request.sampled < request.max_tokens else None
+        queued = mx.stack([token for _, token in sampled]) if sampled else None
+        if queued is not None:
+            mx.async_eval(queued)
+        previous, self._in_flight = self._in_flight, ([i for i, _ in sampled], queued)
+        produced: list[tuple[int, int]] = []
+        if previous[1] is not None:
+            for sequence_id, token in zip(previous[0], previous[1].tolist()):
+                if sequence_id in self._running:  # not ended or cancelled since
                     self._emit(sequence_id, token, produced)
-            else:
-                mx.eval(logits)
         return produced
 
     def _prefill_group(self) -> list[int]:
@@ -176,8 +194,6 @@ class BatchGeneration:
         produced.append((sequence_id, token))
         if request.generated == request.max_tokens:
             self._end(sequence_id, "length")
-        else:
-            request.pending = token
 
     def _end(self, sequence_id: int, reason: str) -> None:
         request = self._running.pop(sequence_id)
