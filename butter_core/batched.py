@@ -7,6 +7,11 @@ sequence owns pages, taken from a shared free list as it is given room (``reserv
 returned when it is released; its position ``p`` lives in slot ``pages[p // page_size] *
 page_size + p % page_size`` of every layer.
 
+An attention layer under a window (``windows``: ``--kv-window-size``, or the family's sliding
+window) keeps each sequence's sinks and ring in that sequence's pages, position ``p`` in slot
+``keep + (p - keep) % ring`` as ``butter_core.window`` places it; a sequence then needs pages
+for ``max_size`` slots at most (``pages_for``).
+
 Sequences are addressed by ``SequenceHandle(slot, generation)``. Releasing a sequence bumps
 its slot's generation, so a handle kept past its release — whether or not the slot now
 holds another sequence — is refused with ``StaleSequenceError`` naming the slot; it never
@@ -41,6 +46,7 @@ import attrs
 import mlx.core as mx
 
 from butter_core.cache import LayerSpec, attend, check_chunk
+from butter_core.config import Window
 from butter_core.errors import ConfigError
 from butter_core.recurrent import StateCache, StateSpec
 from butter_core.slots import BufferedSlotCache, SlotBuffers
@@ -86,7 +92,8 @@ class BatchedCaches:
     """
 
     def __init__(self, specs: Sequence[LayerSpec | StateSpec], prototypes: Sequence[BufferedSlotCache | StateCache], *,
-                 capacity_tokens: int, page_size: int = PAGE_SIZE, max_sequences: int | None = None):  # fmt: skip
+                 capacity_tokens: int, page_size: int = PAGE_SIZE, max_sequences: int | None = None,
+                 windows: Sequence[Window | None] | None = None):  # fmt: skip
         for name, value in (("capacity_tokens", capacity_tokens), ("page_size", page_size), ("max_sequences", max_sequences)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -96,6 +103,8 @@ class BatchedCaches:
         self.max_sequences = max_sequences or min(self.num_pages, DEFAULT_MAX_SEQUENCES)
         self.specs = list(specs)
         self.prototypes = list(prototypes)
+        self.windows = list(windows or [None] * len(self.specs))
+        """Per layer, the window its attention is bounded by (None: every position)."""
         self.storage: list[SlotBuffers | StatePool] = []
         for spec, prototype in zip(self.specs, self.prototypes, strict=True):
             if isinstance(spec, StateSpec):
@@ -151,7 +160,7 @@ class BatchedCaches:
         """Give the sequence pages for ``positions`` positions in all, or raise ``OutOfPagesError``
         (nothing taken) when the free pages do not hold them."""
         sequence = self._get(handle)
-        needed = math.ceil(positions / self.page_size) - len(sequence.pages)
+        needed = self.pages_for(positions) - len(sequence.pages)
         if needed <= 0:
             return
         if needed > len(self._free_pages):
@@ -162,8 +171,14 @@ class BatchedCaches:
         sequence.pages.extend(self._free_pages.pop() for _ in range(needed))
 
     def pages_for(self, positions: int) -> int:
-        """Pages that ``positions`` positions take."""
-        return math.ceil(positions / self.page_size)
+        """Pages that a sequence of ``positions`` positions takes: a layer under a window holds at most
+        its ``max_size`` of them, so where every attention layer has one, fewer pages than positions."""
+        return math.ceil(self.slots_for(positions) / self.page_size)
+
+    def slots_for(self, positions: int) -> int:
+        """Slots a sequence of ``positions`` positions uses in the layer that needs most."""
+        attention = [w for s, w in zip(self.specs, self.windows) if isinstance(s, LayerSpec)]
+        return max((positions if w is None else min(positions, w.max_size) for w in attention), default=0)
 
     @property
     def free_pages(self) -> int:
@@ -199,9 +214,11 @@ class BatchedCaches:
 
     @property
     def nbytes_live(self) -> int:
-        """Bytes that encode the live positions of every open sequence, all attention layers."""
-        per_position = sum(p.bytes_per_slot for p in self.prototypes if isinstance(p, BufferedSlotCache))
-        return per_position * self.live_positions
+        """Bytes that encode the live positions of every open sequence, all attention layers (a layer
+        under a window holds at most its ``max_size`` of them)."""
+        lengths = [s.length for s in self._sequences if s.live]
+        return sum(p.bytes_per_slot * sum(n if w is None else min(n, w.max_size) for n in lengths)
+                   for p, w in zip(self.prototypes, self.windows) if isinstance(p, BufferedSlotCache))  # fmt: skip
 
     # -- a forward ---------------------------------------------------------------
 
@@ -216,46 +233,99 @@ class BatchedCaches:
 
 
 class BatchedStep:
-    """Where a forward's rows go and what each sequence attends to, shared by every layer."""
+    """A forward over some sequences, ``tokens`` new positions each, shared by every layer: the
+    sequences' positions and rows, and, per window, where rows go and what each attends to
+    (``placement``)."""
 
     def __init__(self, caches: BatchedCaches, sequences: list[_Sequence], handles: Sequence[SequenceHandle], tokens: int):
         if not sequences:
             raise ConfigError("a batched step needs at least one sequence")
         if len({h.slot for h in handles}) != len(handles):
             raise ConfigError("a batched step takes each sequence once")
-        page = caches.page_size
         starts = [s.length for s in sequences]
-        ends = [start + tokens for start in starts]
-        for handle, sequence, end in zip(handles, sequences, ends):
-            if end > len(sequence.pages) * page:
-                raise OutOfPagesError(f"sequence slot {handle.slot} holds pages for {len(sequence.pages) * page} "
-                                      f"positions, not {end}: reserve them first")  # fmt: skip
-        self.caches, self.sequences, self.tokens = caches, sequences, tokens
-        self.starts = starts
-        writes = [s.pages[p // page] * page + p % page for s, start in zip(sequences, starts) for p in range(start, start + tokens)]
-        self.write_slots = mx.array(writes, dtype=mx.int32)
-        length = max(ends)
-        held = -(-length // page)
-        self.table = mx.array([s.pages[:held] + [s.pages[0]] * (held - min(held, len(s.pages))) for s in sequences],
-                              dtype=mx.int32)  # fmt: skip
-        """Each sequence's pages ``[sequences, pages]`` (padded with its first), for paged kernels."""
-        self.lengths = mx.array(ends, dtype=mx.int32)
-        self.length = length
-        slots = (self.table[:, :, None] * page + mx.arange(page, dtype=mx.int32)).reshape(len(sequences), -1)
-        self.read_index = slots[:, :length]
-        if len(sequences) == 1:
-            self.mask = "causal" if tokens > 1 else None
-        else:
-            queries = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(tokens, dtype=mx.int32)
-            self.mask = (mx.arange(length, dtype=mx.int32)[None, None] <= queries[:, :, None])[:, None]
+        for handle, sequence, start in zip(handles, sequences, starts):
+            held = len(sequence.pages) * caches.page_size
+            if caches.slots_for(start + tokens) > held:
+                raise OutOfPagesError(f"sequence slot {handle.slot} holds pages for {held} slots, not "
+                                      f"{caches.slots_for(start + tokens)}: reserve them first")  # fmt: skip
+        self.caches, self.sequences, self.tokens, self.starts = caches, sequences, tokens, starts
         self.positions = starts[0] if len(sequences) == 1 else mx.array(starts, dtype=mx.int32)
         self.rows = mx.array([h.slot for h in handles], dtype=mx.int32)
         """Each sequence's row in the recurrent layers' state pools."""
+        self._placements: dict[Window | None, Placement] = {}
+
+    def placement(self, window: Window | None) -> Placement:
+        """Where this step's rows go and what each sequence attends to, in a layer under ``window``."""
+        if window not in self._placements:
+            self._placements[window] = Placement(self, window)
+        return self._placements[window]
 
     def advance(self) -> None:
         """Count the step's positions as held (after its forward is built)."""
         for sequence in self.sequences:
             sequence.length += self.tokens
+
+
+class Placement:
+    """A step's slots in the layers under one window (None: slot ``p`` holds position ``p``).
+
+    Under a window of ``max_size`` with ``keep`` sinks, position ``p >= keep`` lives in slot
+    ``keep + (p - keep) % ring`` (``butter_core.window``). A step whose chunk makes some
+    sequence's ring wrap (``wraps``) attends over the stored slots plus the chunk's own rows
+    under a mask of absolute positions, then writes only the rows that survive, as
+    ``WindowCache`` does; any other step writes every row, then attends over the live slots.
+    """
+
+    def __init__(self, step: BatchedStep, window: Window | None):
+        page, tokens, starts = step.caches.page_size, step.tokens, step.starts
+        self.window = window
+
+        def slot(p: int) -> int:
+            return p if window is None or p < window.keep else window.keep + (p - window.keep) % window.ring_size
+
+        def physical(sequence: _Sequence, s: int) -> int:
+            return sequence.pages[s // page] * page + s % page
+
+        cap = math.inf if window is None else window.max_size
+        self.wraps = tokens > 1 and any(start + tokens > cap for start in starts)
+        if self.wraps:
+            keep, ring = window.keep, window.ring_size
+            survivors = [(b * tokens + p - start, physical(s, slot(p)))
+                         for b, (s, start) in enumerate(zip(step.sequences, starts))
+                         for p in range(start, start + tokens) if p < keep or p >= start + tokens - ring]  # fmt: skip
+            self.write_rows = mx.array([row for row, _ in survivors], dtype=mx.int32)
+            self.write_slots = mx.array([at for _, at in survivors], dtype=mx.int32)
+            live = [min(start, cap) for start in starts]
+        else:
+            self.write_rows = None
+            self.write_slots = mx.array([physical(s, slot(p)) for s, start in zip(step.sequences, starts)
+                                         for p in range(start, start + tokens)], dtype=mx.int32)  # fmt: skip
+            live = [min(start + tokens, cap) for start in starts]
+        self.length = max(max(live), 1)
+        held = -(-self.length // page)
+        self.table = mx.array([s.pages[:held] + [s.pages[0]] * (held - min(held, len(s.pages))) for s in step.sequences],
+                              dtype=mx.int32)  # fmt: skip
+        """Each sequence's pages ``[sequences, pages]`` (padded with its first), for paged kernels."""
+        self.lengths = mx.array(live, dtype=mx.int32)
+        slots = (self.table[:, :, None] * page + mx.arange(page, dtype=mx.int32)).reshape(len(starts), -1)
+        self.read_index = slots[:, : self.length]
+        queries = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(tokens, dtype=mx.int32)  # [B, T]
+        if self.wraps:
+            top = [start - 1 for start in starts]
+            held_positions = [
+                [s if start <= cap or s < keep else top_b - ((top_b - keep) - (s - keep)) % ring for s in range(n)]
+                + [2**30] * (self.length - n)
+                for start, top_b, n in zip(starts, top, live)
+            ]  # fmt: skip
+            keys = mx.concatenate([mx.array(held_positions, dtype=mx.int32), queries], axis=1)[:, None]  # [B, 1, S+T]
+            near = (keys < keep) | (keys > queries[:, :, None] - ring)
+            self.mask = ((keys <= queries[:, :, None]) & near)[:, None]
+        elif len(starts) == 1:
+            self.mask = "causal" if tokens > 1 else None
+        else:
+            key_slots = mx.arange(self.length, dtype=mx.int32)[None, None]
+            visible = (key_slots <= queries[:, :, None]) & (key_slots < self.lengths[:, None, None])
+            self.mask = visible[:, None]
 
 
 class StepView:
@@ -278,15 +348,23 @@ class BatchedLayer(StepView):
         check_chunk(self.spec, keys, values, queries)
         if keys.shape[2] != self.step.tokens:
             raise ConfigError(f"layer {self.spec.layer_index}: {keys.shape[2]} tokens in a step of {self.step.tokens}")
-        prototype, storage, step = self.caches.prototypes[self.index], self.caches.storage[self.index], self.step
-        storage.write_at(step.write_slots, prototype.encode(keys, values))
-        if step.tokens == 1:
-            out = prototype.paged_decode(queries, storage.read(), step.table, step.lengths, self.caches.page_size,
-                                         step.length, scale)  # fmt: skip
+        prototype, storage = self.caches.prototypes[self.index], self.caches.storage[self.index]
+        place = self.step.placement(self.caches.windows[self.index])
+        if place.wraps:
+            stored_keys, stored_values = prototype.decode(storage.read_at(place.read_index))
+            out = attend(queries, mx.concatenate([stored_keys, keys.astype(stored_keys.dtype)], axis=2),
+                         mx.concatenate([stored_values, values.astype(stored_values.dtype)], axis=2),
+                         scale=scale, mask=place.mask)  # fmt: skip
+            storage.write_at(place.write_slots, prototype.encode(keys, values), take=place.write_rows)
+            return out
+        storage.write_at(place.write_slots, prototype.encode(keys, values))
+        if self.step.tokens == 1:
+            out = prototype.paged_decode(queries, storage.read(), place.table, place.lengths, self.caches.page_size,
+                                         place.length, scale)  # fmt: skip
             if out is not None:
                 return out.astype(queries.dtype)
-        stored_keys, stored_values = prototype.decode(storage.read_at(step.read_index))
-        return attend(queries, stored_keys, stored_values, scale=scale, mask=self.step.mask)
+        stored_keys, stored_values = prototype.decode(storage.read_at(place.read_index))
+        return attend(queries, stored_keys, stored_values, scale=scale, mask=place.mask)
 
 
 class StatePool:

@@ -27,7 +27,7 @@ from butter_core.cache import LayerCache, LayerSpec
 from butter_core.config import LoadOptions, Window
 from butter_core.errors import ButterError, ConfigError
 from butter_core.kernels.backend import default_device_is_gpu
-from butter_core.layer_caches import kv_cache_kind, layer_kinds, make_layer_caches
+from butter_core.layer_caches import kv_cache_kind, layer_kinds, make_layer_caches, tighter
 from butter_core.models import DecoderModel
 from butter_core.recurrent import StateCache, StateSpec
 from butter_core.sampling import GREEDY, Sampler
@@ -104,14 +104,15 @@ class Engine:
         """Storage for many sequences (``butter_core.batched``): pages holding ``capacity_tokens``
         positions in all for the attention layers (scheme ``kv_cache``), and for recurrent layers
         (scheme ``state_cache``) a state pool of ``max_sequences`` rows (default: one per page, at
-        most 64).
-
-        Not yet: window eviction and sliding-window layers, refused here with the reason.
+        most 64). Attention layers keep the window ``kv_eviction`` gives them (or the family's
+        sliding window, the smaller), per sequence; another eviction policy is refused.
         """
         specs = self.layer_specs()
-        if self.options.kv_eviction is not None or any(self.network.layer_windows()):
-            raise ConfigError("batched caches do not evict yet: drop --kv-window-size (kv_eviction); models with "
-                              "sliding-window layers cannot run batched yet")  # fmt: skip
+        eviction = self.options.kv_eviction
+        if eviction is not None and not isinstance(eviction, Window):
+            raise ConfigError(f"batched caches evict by window only (--kv-window-size); got {eviction!r}")
+        family = self.network.layer_windows()
+        windows = [tighter(eviction, w) if isinstance(s, LayerSpec) else None for s, w in zip(specs, family)]
         prototypes = make_layer_caches(layer_kinds(self.options), [attrs.evolve(s, batch_size=1) for s in specs])
         for spec, cache in zip(specs, prototypes):
             if isinstance(spec, StateSpec):
@@ -125,7 +126,7 @@ class Engine:
                     "storage writes and reads pages with"
                 )
         return BatchedCaches(specs, prototypes, capacity_tokens=capacity_tokens, page_size=page_size,
-                             max_sequences=max_sequences)  # fmt: skip
+                             max_sequences=max_sequences, windows=windows)  # fmt: skip
 
     def run_batched(self, ids: mx.array, caches: BatchedCaches, handles: Sequence[SequenceHandle]) -> mx.array:
         """Append ``ids`` (``[sequences, tokens]``, token ids checked or sampled) to the sequences

@@ -40,7 +40,7 @@ def make_layer_caches(
     for spec, layer_kind in zip(specs, kinds):
         _check_stores(host.scheme_for(layer_kind), spec)  # an unknown scheme is named before any cache is made
     windows = [
-        _tighter(eviction, w) if isinstance(spec, LayerSpec) else None
+        tighter(eviction, w) if isinstance(spec, LayerSpec) else None
         for spec, w in zip(specs, layer_windows or [None] * len(specs))
     ]
     caches: list[LayerCache | None] = [None] * len(specs)
@@ -115,7 +115,9 @@ def _check_arguments(kind, specs, eviction, layer_windows) -> None:
         raise ConfigError(f"make_layer_caches: {len(layer_windows)} layer_windows for {len(specs)} specs")
 
 
-def _tighter(eviction: Eviction | None, layer: Window | None) -> Eviction | None:
+def tighter(eviction: Eviction | None, layer: Window | None) -> Eviction | None:
+    """What bounds a layer under ``eviction`` whose family gives it ``layer``'s window: the smaller
+    window, or the family's where ``eviction`` is another policy."""
     if layer is None or eviction is None:
         return layer or eviction
     if isinstance(eviction, Window) and eviction.max_size <= layer.max_size:

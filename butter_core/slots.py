@@ -145,17 +145,18 @@ class SlotBuffers:
         """Release every buffer."""
         self._storage = {}
 
-    def write_at(self, slots: mx.array, rows: dict[str, mx.array]) -> None:
+    def write_at(self, slots: mx.array, rows: dict[str, mx.array], *, take: mx.array | None = None) -> None:
         """Scatter ``rows`` into arbitrary slots of a batch-1 storage: ``rows`` by buffer name (or by
-        stack, unstacked here), each ``[batch, heads, tokens, width]``, row ``(b, t)`` to slot
-        ``slots[b * tokens + t]`` (``slots`` ``[batch * tokens]``, allocated slots, distinct).
-        What a paged store writes with, one call per layer for every sequence of a step."""
+        stack, unstacked here), each ``[batch, heads, tokens, width]``, row ``(b, t)`` (flat index
+        ``b * tokens + t``) to slot ``slots[b * tokens + t]``; with ``take``, only those flat rows,
+        row ``take[i]`` to ``slots[i]``. Slots allocated and distinct. What a paged store writes
+        with, one call per layer for every sequence of a step."""
         if self.spec.batch_size != 1 or self.stacks:
             raise ConfigError("write_at writes into an unstacked batch-1 storage (paged storage)")
         for name, array in unstack(rows, self._row_stacks(rows)).items():
             batch, heads, tokens, width = array.shape
             flat = array.astype(self.layout[name][1]).transpose(1, 0, 2, 3).reshape(1, heads, batch * tokens, width)
-            self._storage[name][:, :, slots] = flat
+            self._storage[name][:, :, slots] = flat if take is None else flat[:, :, take]
 
     def read_at(self, index: mx.array) -> dict[str, mx.array]:
         """The rows of slots ``index`` (``[batch, length]``) of a batch-1 storage, by buffer name, each

@@ -93,6 +93,27 @@ def test_continuous_batching_gives_each_sequence_its_own_tokens(model_dir, schem
     assert caches.free_pages == caches.num_pages and caches.nbytes_live == 0
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("chunk", [6, 64], ids=["chunks-wrap-the-ring", "one-chunk-past-the-window"])
+def test_each_sequence_keeps_its_own_window(model_dir, scheme, chunk):
+    """Under --kv-window-size each sequence keeps its sinks and newest positions in at most a
+    window's pages; chunks that wrap a sequence's ring attend and write as WindowCache does, so
+    the tokens are those it generates alone under the same window."""
+    kind, _ = example_kind(scheme, 32)
+    model = Model.load(str(model_dir), LoadOptions(kv_cache=kind, kv_eviction=Window(16, keep=4)))
+    model.engine.prefill_chunk = chunk
+    prompts = [model.encode_prompt(text) for text in PROMPTS[:3]]
+    alone = [_single(model, p, 20) for p in prompts]
+    caches = model.engine.make_batched_caches(capacity_tokens=256, page_size=8)
+    assert caches.pages_for(1000) == 2  # the window's 16 slots
+    batch = model.generate_batch(caches, prefill_chunk=chunk)
+    ids = [batch.add(p, max_tokens=20, stop_ids=()) for p in prompts]
+    got: dict[int, list[int]] = {}
+    for sequence_id, token in batch:
+        got.setdefault(sequence_id, []).append(token)
+    assert [got[i] for i in ids] == alone
+
+
 @pytest.mark.usefixtures("raw_scheme")
 def test_a_sequence_waits_for_pages_and_a_stop_id_ends_it(model_dir):
     model = _model(str(model_dir), "raw")
@@ -158,9 +179,6 @@ def test_what_batched_caches_do_not_take_yet_is_refused_clearly(model_dir):
         model = _model(str(model_dir), "aura")
         with pytest.raises(ConfigError, match=r"\(AuraCache\) do not define BufferedSlotCache.encode/decode"):
             model.engine.make_batched_caches(capacity_tokens=64)
-    model = Model.load(str(model_dir), LoadOptions(kv_eviction=Window(16, keep=4)))
-    with pytest.raises(ConfigError, match="batched caches do not evict yet"):
-        model.engine.make_batched_caches(capacity_tokens=64)
     model = _model(str(model_dir), "raw")
     batch = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=64, page_size=8))
     with pytest.raises(ConfigError, match=r"need 9 pages; the batched caches hold 8 \(capacity_tokens 64\)"):

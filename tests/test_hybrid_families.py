@@ -267,12 +267,13 @@ def test_nemotron_h_config_errors_name_the_key(family_model, edit, message):
 
 
 @pytest.mark.usefixtures("state_scheme", "raw_scheme")
+@pytest.mark.parametrize("window", [None, Window(16, keep=4)], ids=["unbounded", "window16keep4"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_families_generate_batched_as_alone(family_model, family):
+def test_families_generate_batched_as_alone(family_model, family, window):
     """Continuous batching over pages and state pools: each sequence's greedy tokens are those it
-    generates alone; with two sequence slots the third sequence reuses a slot, whose recurrent
-    state starts from zero again."""
-    model = Model.load(str(family_model(family)))
+    generates alone (under the same window, which bounds the attention layers only); with two
+    sequence slots the third sequence reuses a slot, whose recurrent state starts from zero again."""
+    model = Model.load(str(family_model(family)), LoadOptions(kv_eviction=window))
     prompts = [model.encode_prompt(text) for text in ("The quick brown fox", "def add(a, b):", "Once upon a time")]
     alone = [list(model.generate(p, max_tokens=n, stop_ids=())) for p, n in zip(prompts, (8, 4, 6))]
     caches = model.engine.make_batched_caches(capacity_tokens=512, page_size=8, max_sequences=2)
