@@ -210,3 +210,10 @@ def test_cli_reports_a_bad_model_in_one_line_with_exit_2(model_dir, capsys):
 def test_cli_reports_a_missing_model_with_exit_2(tmp_path, capsys):
     assert main(["inspect", "-m", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_a_size_past_mlx_dimensions_is_named(model_dir):
+    """MLX's array dimensions are 32-bit: a size of 2**31 (a corrupted GGUF's metadata gave one,
+    found by the fuzz test) is a ModelLoadError naming the key, not an OverflowError from MLX."""
+    edit_config(model_dir, intermediate_size=2**31)
+    assert "'intermediate_size' must be a positive integer below 2**31, got 2147483648" in load_error(model_dir)

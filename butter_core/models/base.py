@@ -26,6 +26,7 @@ import mlx.nn as nn
 from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.config import Window
 from butter_core.errors import ModelLoadError
+from butter_core.models.config_values import MAX_SIZE
 
 ROPE_TYPES = ("default", "linear", "llama3")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -86,8 +87,8 @@ def parse_args(config: dict[str, Any], source: Path, *, defaults: dict[str, Any]
             raise ModelLoadError(f"{source}: required key {key!r} is missing")
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ModelLoadError(f"{source}: {key!r} must be a positive integer, got {value!r}")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_SIZE):
+            raise ModelLoadError(f"{source}: {key!r} must be a positive integer below 2**31, got {value!r}")
         if not isinstance(value, kind):
             raise ModelLoadError(f"{source}: {key!r} must be a {kind.__name__}, got {value!r}")
         return value

@@ -8,6 +8,8 @@ from typing import Any, NoReturn
 from butter_core.errors import ModelLoadError
 
 _MISSING = object()
+MAX_SIZE = 2**31
+"""Sizes must be below this: MLX's array dimensions are 32-bit signed integers."""
 
 
 class ConfigReader:
@@ -31,15 +33,15 @@ class ConfigReader:
 
     def int(self, key: str, default: Any = _MISSING) -> int:
         value = self.value(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            self.fail(f"{key!r} must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_SIZE:
+            self.fail(f"{key!r} must be a positive integer below 2**31, got {value!r}")
         return value
 
     def count(self, key: str, default: Any = _MISSING) -> int:
         """A non-negative integer (0 allowed: no experts, no groups of something)."""
         value = self.value(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            self.fail(f"{key!r} must be a non-negative integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_SIZE:
+            self.fail(f"{key!r} must be a non-negative integer below 2**31, got {value!r}")
         return value
 
     def require_silu(self) -> None:
