@@ -22,9 +22,9 @@ state per sequence slot (``max_sequences`` rows), zeroed when a sequence opens; 
 its sequences' rows, runs the state scheme's ``mix`` (its kernels, where it has them) and
 writes them back (``BatchedStateLayer``).
 
-A forward over some sequences is a ``BatchedStep``: where each new row goes, which slots each
-sequence attends to (its pages, gathered), and the mask; computed once and shared by every
-layer's ``BatchedLayer`` view, which is what the model's attention calls
+A forward over some sequences is a ``BatchedStep``; where each new row goes, which slots each
+sequence attends to and the mask are its ``Placement`` for a window (or none), computed once
+and shared by every layer's ``BatchedLayer`` view, which is what the model's attention calls
 (``update_and_attend``, ``absolute_position``: one RoPE offset per sequence). The view writes
 the rows with the scheme's ``encode`` (one scatter per buffer for all sequences) and, for a
 decode step, attends through the scheme's ``paged_decode`` kernel where it has one (pages
