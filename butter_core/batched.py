@@ -52,8 +52,9 @@ from butter_core.recurrent import StateCache, StateSpec
 from butter_core.slots import BufferedSlotCache, SlotBuffers
 
 DEFAULT_MAX_SEQUENCES = 64
-"""Sequence slots when ``max_sequences`` is not given (at most one per page): what sizes the state
-pools of a model with recurrent layers (Qwen3-Next-80B: 2 MiB per layer and sequence)."""
+"""Sequence slots of a model with recurrent layers when ``max_sequences`` is not given (at most
+one per page): what sizes its state pools (Qwen3-Next-80B: 2 MiB per layer and sequence). A
+model of attention layers alone gets one slot per page, which costs nothing."""
 PAGE_SIZE = 64
 """Positions per page. A sequence holds at most one partly used page, so allocated bytes stay
 within one page per sequence of live ones; the gathered path reads slot by slot, so the page
@@ -100,7 +101,9 @@ class BatchedCaches:
         self.page_size = page_size
         self.num_pages = math.ceil(capacity_tokens / page_size)
         self.capacity_tokens = self.num_pages * page_size
-        self.max_sequences = max_sequences or min(self.num_pages, DEFAULT_MAX_SEQUENCES)
+        recurrent = any(isinstance(spec, StateSpec) for spec in specs)
+        default = min(self.num_pages, DEFAULT_MAX_SEQUENCES) if recurrent else self.num_pages
+        self.max_sequences = max_sequences or default
         self.specs = list(specs)
         self.prototypes = list(prototypes)
         self.windows = list(windows or [None] * len(self.specs))

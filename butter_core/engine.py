@@ -104,7 +104,7 @@ class Engine:
         """Storage for many sequences (``butter_core.batched``): pages holding ``capacity_tokens``
         positions in all for the attention layers (scheme ``kv_cache``), and for recurrent layers
         (scheme ``state_cache``) a state pool of ``max_sequences`` rows (default: one per page, at
-        most 64). Attention layers keep the window ``kv_eviction`` gives them (or the family's
+        most 64 where there are recurrent layers). Attention layers keep the window ``kv_eviction`` gives them (or the family's
         sliding window, the smaller), per sequence; another eviction policy is refused.
         """
         specs = self.layer_specs()

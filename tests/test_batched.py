@@ -164,6 +164,7 @@ def test_batched_storage_bytes(model_dir):
     model = _model(str(model_dir), "raw")
     caches = model.engine.make_batched_caches(capacity_tokens=100, page_size=16)
     assert caches.capacity_tokens == 112 and caches.num_pages == 7
+    assert caches.max_sequences == 7 and caches.state_bytes == 0  # attention layers alone: a slot per page
     per_position = 2 * 2 * 32 * 4 * 2  # K and V, 2 KV heads of 32, float32, 2 layers
     assert caches.nbytes_allocated == 112 * per_position
     handle = caches.open()
