@@ -108,6 +108,8 @@ class BatchedCaches:
         self.prototypes = list(prototypes)
         self.windows = list(windows or [None] * len(self.specs))
         """Per layer, the window its attention is bounded by (None: every position)."""
+        self._bounds = {None if w is None else w.max_size for s, w in zip(self.specs, self.windows) if isinstance(s, LayerSpec)}
+        """The attention layers' slot bounds (None: unbounded), for ``slots_for``."""
         self.storage: list[SlotBuffers | StatePool] = []
         for spec, prototype in zip(self.specs, self.prototypes, strict=True):
             if isinstance(spec, StateSpec):
@@ -180,8 +182,7 @@ class BatchedCaches:
 
     def slots_for(self, positions: int) -> int:
         """Slots a sequence of ``positions`` positions uses in the layer that needs most."""
-        attention = [w for s, w in zip(self.specs, self.windows) if isinstance(s, LayerSpec)]
-        return max((positions if w is None else min(positions, w.max_size) for w in attention), default=0)
+        return max((positions if bound is None else min(positions, bound) for bound in self._bounds), default=0)
 
     @property
     def free_pages(self) -> int:
@@ -247,10 +248,10 @@ class BatchedStep:
             raise ConfigError("a batched step takes each sequence once")
         starts = [s.length for s in sequences]
         for handle, sequence, start in zip(handles, sequences, starts):
-            held = len(sequence.pages) * caches.page_size
-            if caches.slots_for(start + tokens) > held:
-                raise OutOfPagesError(f"sequence slot {handle.slot} holds pages for {held} slots, not "
-                                      f"{caches.slots_for(start + tokens)}: reserve them first")  # fmt: skip
+            held, needed = len(sequence.pages) * caches.page_size, caches.slots_for(start + tokens)
+            if needed > held:
+                raise OutOfPagesError(f"sequence slot {handle.slot} holds pages for {held} slots, not {needed}: "
+                                      "reserve them first")  # fmt: skip
         self.caches, self.sequences, self.tokens, self.starts = caches, sequences, tokens, starts
         self.positions = starts[0] if len(sequences) == 1 else mx.array(starts, dtype=mx.int32)
         self.rows = mx.array([h.slot for h in handles], dtype=mx.int32)
@@ -281,10 +282,9 @@ class Placement:
 
     def __init__(self, step: BatchedStep, window: Window | None):
         page, tokens, starts = step.caches.page_size, step.tokens, step.starts
-        self.window = window
 
         def slot(p: int) -> int:
-            return p if window is None or p < window.keep else window.keep + (p - window.keep) % window.ring_size
+            return p if window is None else window.slot_of(p)
 
         def physical(sequence: _Sequence, s: int) -> int:
             return sequence.pages[s // page] * page + s % page
@@ -292,10 +292,9 @@ class Placement:
         cap = math.inf if window is None else window.max_size
         self.wraps = tokens > 1 and any(start + tokens > cap for start in starts)
         if self.wraps:
-            keep, ring = window.keep, window.ring_size
             survivors = [(b * tokens + p - start, physical(s, slot(p)))
                          for b, (s, start) in enumerate(zip(step.sequences, starts))
-                         for p in range(start, start + tokens) if p < keep or p >= start + tokens - ring]  # fmt: skip
+                         for p in window.survivors(start, start + tokens)]  # fmt: skip
             self.write_rows = mx.array([row for row, _ in survivors], dtype=mx.int32)
             self.write_slots = mx.array([at for _, at in survivors], dtype=mx.int32)
             live = [min(start, cap) for start in starts]
@@ -314,15 +313,13 @@ class Placement:
         self.read_index = slots[:, : self.length]
         queries = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(tokens, dtype=mx.int32)  # [B, T]
         if self.wraps:
-            top = [start - 1 for start in starts]
             held_positions = [
-                [s if start <= cap or s < keep else top_b - ((top_b - keep) - (s - keep)) % ring for s in range(n)]
+                [s if start <= cap or s < window.keep else window.ring_position(s, start - 1) for s in range(n)]
                 + [2**30] * (self.length - n)
-                for start, top_b, n in zip(starts, top, live)
+                for start, n in zip(starts, live)
             ]  # fmt: skip
             keys = mx.concatenate([mx.array(held_positions, dtype=mx.int32), queries], axis=1)[:, None]  # [B, 1, S+T]
-            near = (keys < keep) | (keys > queries[:, :, None] - ring)
-            self.mask = ((keys <= queries[:, :, None]) & near)[:, None]
+            self.mask = window.visible(keys, queries[:, :, None])[:, None]
         elif len(starts) == 1:
             self.mask = "causal" if tokens > 1 else None
         else:
@@ -375,7 +372,6 @@ class StatePool:
     ``[rows, K - 1, conv_dim]`` and the state ``[rows, *state_shape]``, one row per sequence slot."""
 
     def __init__(self, spec: StateSpec, state_dtype: mx.Dtype, rows: int):
-        self.spec = spec
         self.conv = mx.zeros((rows, spec.conv_kernel - 1, spec.conv_dim), dtype=spec.dtype)
         self.state = mx.zeros((rows, *spec.state_shape), dtype=state_dtype)
 

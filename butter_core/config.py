@@ -84,6 +84,26 @@ class Window(Eviction):
         """How many slots rotate (the non-sink part of the window)."""
         return self.max_size - self.keep
 
+    # The window's slot arithmetic, shared by ``WindowCache`` and batched storage's ``Placement``.
+
+    def slot_of(self, position: int) -> int:
+        """The slot that holds ``position`` while it is live."""
+        return position if position < self.keep else self.keep + (position - self.keep) % self.ring_size
+
+    def ring_position(self, slot, newest):
+        """The position a ring slot holds once ``newest`` (the last position written, past the
+        window) is in; ints or arrays."""
+        return newest - ((newest - self.keep) - (slot - self.keep)) % self.ring_size
+
+    def survivors(self, first: int, last: int) -> list[int]:
+        """The positions of ``[first, last)`` still live once ``last - 1`` is written: sinks and the ring's newest."""
+        return list(range(first, min(self.keep, last))) + list(range(max(self.keep, first, last - self.ring_size), last))
+
+    def visible(self, keys, queries):
+        """Whether a query at position ``queries`` sees a key at ``keys`` (arrays broadcast): causal,
+        and a sink or within the ring behind it."""
+        return (keys <= queries) & ((keys < self.keep) | (keys > queries - self.ring_size))
+
     def __str__(self) -> str:
         return f"window(max_size={self.max_size}, keep={self.keep})"
 

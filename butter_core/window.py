@@ -36,26 +36,16 @@ class WindowCache(AttentionCache):
 
     # -- slot arithmetic --------------------------------------------------------
 
-    def slot_of(self, position: int) -> int:
-        """The slot that holds ``position`` while it is live."""
-        keep = self.window.keep
-        return position if position < keep else keep + (position - keep) % self.window.ring_size
-
     def slot_positions(self) -> mx.array:
         """Absolute position held by each live slot, in slot order."""
-        keep, ring, top = self.window.keep, self.window.ring_size, self._position - 1
         slots = mx.arange(self.inner.length)
         if self._position <= self.window.max_size:
             return slots
-        ring_pos = top - ((top - keep) - (slots - keep)) % ring
-        return mx.where(slots < keep, slots, ring_pos)
+        return mx.where(slots < self.window.keep, slots, self.window.ring_position(slots, self._position - 1))
 
     def _survivor_runs(self, first: int, count: int) -> list[tuple[int, int, int]]:
         """(slot, chunk offset, n) runs writing positions ``first..first+count-1`` that survive."""
-        keep, ring = self.window.keep, self.window.ring_size
-        last = first + count
-        survivors = list(range(first, min(keep, last))) + list(range(max(keep, first, last - ring), last))
-        placed = sorted((self.slot_of(p), p - first) for p in survivors)
+        placed = sorted((self.window.slot_of(p), p - first) for p in self.window.survivors(first, first + count))
         runs: list[list[int]] = []
         for slot, offset in placed:
             if runs and runs[-1][0] + runs[-1][2] == slot and runs[-1][1] + runs[-1][2] == offset:
@@ -96,11 +86,10 @@ class WindowCache(AttentionCache):
             # run of slots, and the stored window is exactly what the queries may see.
             self._position += tokens
             mask = "causal" if tokens > 1 else None
-            return self.inner.store_and_attend(self.slot_of(first), keys, values, first, queries, scale=scale, mask=mask)
+            return self.inner.store_and_attend(self.window.slot_of(first), keys, values, first, queries, scale=scale, mask=mask)
         stored_k, stored_v = self.inner.load(self.inner.length)
         key_pos = mx.concatenate([self.slot_positions(), first + mx.arange(tokens)])
-        query_pos = (first + mx.arange(tokens))[:, None]
-        visible = (key_pos <= query_pos) & ((key_pos < self.window.keep) | (key_pos > query_pos - self.window.ring_size))
+        visible = self.window.visible(key_pos, (first + mx.arange(tokens))[:, None])
         out = attend(
             queries,
             mx.concatenate([stored_k, keys.astype(stored_k.dtype)], axis=2),
