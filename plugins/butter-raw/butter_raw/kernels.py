@@ -209,8 +209,10 @@ def _check_attention_args(
         raise ValueError(f"length {length} outside 1..{keys.shape[2]}")
 
 
-def _partials_launch(queries: mx.array, keys: mx.array, values: mx.array, length: int):
-    """``(dtype, head dim, split-K launch)`` of either decode kernel, after checking dtypes and head dim."""
+def _decode(partials_kernel: Kernel, queries: mx.array, keys: mx.array, values: mx.array, extra: list[mx.array],
+            length: int, template: list | None = None) -> mx.array:
+    """Either decode kernel's launch: its partials pass (inputs ``queries, keys, values, *extra``,
+    split-K over ``length`` keys, ``template`` added to the shared one), then the merge."""
     dtype = queries.dtype
     if dtype not in SUPPORTED_DTYPES or keys.dtype != dtype or values.dtype != dtype:
         raise ValueError(f"dtypes must match and be one of {SUPPORTED_DTYPES}")
@@ -221,8 +223,17 @@ def _partials_launch(queries: mx.array, keys: mx.array, values: mx.array, length
         batch=batch, q_heads=q_heads, kv_heads=keys.shape[1], dims=dims, length=length,
         warps=_WARPS, max_heads=_MAX_HEADS_PER_BLOCK, min_keys=_MIN_KEYS_PER_SPLIT,
         target_blocks=_TARGET_BLOCKS,
+    )  # fmt: skip
+    partials = partials_kernel(
+        inputs=[queries, keys, values, *extra],
+        template=[("T", dtype), ("D", dims), ("HEADS", launch.heads), ("WARPS", _WARPS), ("TILE", _TILE),
+                  *(template or [])],  # fmt: skip
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=launch.output_shapes,
+        output_dtypes=launch.output_dtypes,
     )
-    return dtype, dims, launch
+    return split_k.merge_partials(*partials, dtype)
 
 
 def sdpa_decode(
@@ -237,23 +248,8 @@ def sdpa_decode(
     accumulation run in float32; the result has the queries' dtype and shape.
     """
     _check_attention_args(queries, keys, values, length)
-    dtype, dims, launch = _partials_launch(queries, keys, values, length)
-    partials = _SDPA_PARTIALS(
-        inputs=[
-            queries,
-            keys,
-            values,
-            kernel_params((length,), mx.int32),
-            kernel_params((scale,), mx.float32),
-        ],
-        template=[("T", dtype), ("D", dims), ("HEADS", launch.heads), ("WARPS", _WARPS),
-                  ("TILE", _TILE)],
-        grid=launch.grid,
-        threadgroup=launch.threadgroup,
-        output_shapes=launch.output_shapes,
-        output_dtypes=launch.output_dtypes,
-    )
-    return split_k.merge_partials(*partials, dtype)
+    extra = [kernel_params((length,), mx.int32), kernel_params((scale,), mx.float32)]
+    return _decode(_SDPA_PARTIALS, queries, keys, values, extra, length)
 
 
 def sdpa_decode_reference(
@@ -300,17 +296,8 @@ def paged_sdpa_decode(
     known to the host, which sizes the splits). Otherwise as ``sdpa_decode``.
     """
     _check_paged_args(queries, keys, values, table, lengths, page_size, length)
-    dtype, dims, launch = _partials_launch(queries, keys, values, length)
-    partials = _PAGED_PARTIALS(
-        inputs=[queries, keys, values, table, lengths, kernel_params((scale,), mx.float32)],
-        template=[("T", dtype), ("D", dims), ("HEADS", launch.heads), ("WARPS", _WARPS), ("TILE", _TILE),
-                  ("PAGE", page_size)],  # fmt: skip
-        grid=launch.grid,
-        threadgroup=launch.threadgroup,
-        output_shapes=launch.output_shapes,
-        output_dtypes=launch.output_dtypes,
-    )
-    return split_k.merge_partials(*partials, dtype)
+    extra = [table, lengths, kernel_params((scale,), mx.float32)]
+    return _decode(_PAGED_PARTIALS, queries, keys, values, extra, length, [("PAGE", page_size)])
 
 
 def paged_sdpa_decode_reference(
