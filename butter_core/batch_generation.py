@@ -35,6 +35,7 @@ import mlx.core as mx
 from butter_core.batched import BatchedCaches, SequenceHandle
 from butter_core.engine import Engine, TokenIds
 from butter_core.errors import ConfigError
+from butter_core.generation import check_request
 from butter_core.sampling import GREEDY, Sampler
 
 
@@ -84,10 +85,7 @@ class BatchGeneration:
         stop_ids: Collection[int] | None = None,
     ) -> int:  # fmt: skip
         """Queue a sequence; it joins at the next step its pages are free. Returns its id."""
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
-            raise ConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if (prompt_ids.size if isinstance(prompt_ids, mx.array) else len(prompt_ids)) == 0:
-            raise ConfigError("the prompt is empty: generation needs at least one prompt token")
+        check_request(prompt_ids, max_tokens)
         prompt = self.engine.token_ids(prompt_ids)
         needed = self.caches.pages_for(prompt.size + max_tokens)
         if needed > self.caches.num_pages:

@@ -67,6 +67,14 @@ class GenerationStats:
         )
 
 
+def check_request(prompt_ids: TokenIds, max_tokens: int) -> None:
+    """Raise ConfigError unless ``max_tokens`` is a positive integer and the prompt has a token."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise ConfigError(f"max_tokens (--max-tokens) must be a positive integer, got {max_tokens!r}")
+    if (prompt_ids.size if isinstance(prompt_ids, mx.array) else len(prompt_ids)) == 0:
+        raise ConfigError("the prompt is empty: generation needs at least one prompt token")
+
+
 class Generation:
     """Iterate to receive generated token ids as they are produced (a stop token ends it, unyielded).
 
@@ -84,10 +92,7 @@ class Generation:
         stop_ids: Collection[int] = (),
         prefill_progress: Callable[[int, int], None] | None = None,
     ):
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
-            raise ConfigError(f"max_tokens (--max-tokens) must be a positive integer, got {max_tokens!r}")
-        if (prompt_ids.size if isinstance(prompt_ids, mx.array) else len(prompt_ids)) == 0:
-            raise ConfigError("the prompt is empty: generation needs at least one prompt token")
+        check_request(prompt_ids, max_tokens)
         self.engine = engine
         self.prompt_ids = engine.token_ids(prompt_ids)
         engine.check_caches(caches)
