@@ -49,6 +49,7 @@ from butter_core.cache import LayerSpec, attend, check_chunk
 from butter_core.config import Window
 from butter_core.errors import ConfigError
 from butter_core.recurrent import StateCache, StateSpec
+from butter_core.sequence_state import SequenceState, Written
 from butter_core.slots import BufferedSlotCache, SlotBuffers
 
 DEFAULT_MAX_SEQUENCES = 64
@@ -111,7 +112,9 @@ class BatchedCaches:
         self._bounds = {None if w is None else w.max_size for s, w in zip(self.specs, self.windows) if isinstance(s, LayerSpec)}
         """The attention layers' slot bounds (None: unbounded), for ``slots_for``."""
         self.storage: list[SlotBuffers | StatePool] = []
-        for spec, prototype in zip(self.specs, self.prototypes, strict=True):
+        self.states: dict[int, SequenceState | None] = {}
+        """Per attention layer, what its scheme keeps per sequence beside the pages (None: nothing)."""
+        for spec, prototype, window in zip(self.specs, self.prototypes, self.windows, strict=True):
             if isinstance(spec, StateSpec):
                 self.storage.append(StatePool(spec, prototype.state_dtype, self.max_sequences))
                 continue
@@ -119,6 +122,10 @@ class BatchedCaches:
             buffers = SlotBuffers(one, self.capacity_tokens, prototype.slots.layout, row_stacks=prototype.slots.stacks)
             buffers.reserve(self.capacity_tokens, live=0)
             self.storage.append(buffers)
+            self.states[len(self.storage) - 1] = prototype.sequence_state(
+                self.max_sequences, self.capacity_tokens if window is None else window.max_size,
+                None if window is None else window.keep,
+            )
         mx.eval([storage.arrays() if isinstance(storage, StatePool) else storage.read(stacked=True)
                  for storage in self.storage])  # fmt: skip
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
@@ -140,6 +147,9 @@ class BatchedCaches:
         for storage in self.storage:
             if isinstance(storage, StatePool):
                 storage.reset(slot)
+        for state in self.states.values():
+            if state is not None:
+                state.reset(slot)
         sequence = self._sequences[slot]
         sequence.live = True
         return SequenceHandle(slot, sequence.generation)
@@ -203,8 +213,14 @@ class BatchedCaches:
 
     @property
     def nbytes_allocated(self) -> int:
-        """Bytes of the pages of every attention layer (allocated whole at creation)."""
-        return sum(a.nbytes for s in self.storage if isinstance(s, SlotBuffers) for a in s.read(stacked=True).values())
+        """Bytes of the pages of every attention layer (allocated whole at creation) and of what their
+        schemes keep per sequence beside them (``SequenceState``, ``max_sequences`` rows each)."""
+        pages = sum(a.nbytes for s in self.storage if isinstance(s, SlotBuffers) for a in s.read(stacked=True).values())
+        return pages + self._sequence_state_bytes
+
+    @property
+    def _sequence_state_bytes(self) -> int:
+        return sum(a.nbytes for state in self.states.values() if state is not None for a in state.arrays())
 
     @property
     def state_bytes(self) -> int:
@@ -219,10 +235,12 @@ class BatchedCaches:
     @property
     def nbytes_live(self) -> int:
         """Bytes that encode the live positions of every open sequence, all attention layers (a layer
-        under a window holds at most its ``max_size`` of them)."""
+        under a window holds at most its ``max_size`` of them), and the open sequences' rows of the
+        schemes' ``SequenceState``s."""
         lengths = [s.length for s in self._sequences if s.live]
-        return sum(p.bytes_per_slot * sum(n if w is None else min(n, w.max_size) for n in lengths)
-                   for p, w in zip(self.prototypes, self.windows) if isinstance(p, BufferedSlotCache))  # fmt: skip
+        pages = sum(p.bytes_per_slot * sum(n if w is None else min(n, w.max_size) for n in lengths)
+                    for p, w in zip(self.prototypes, self.windows) if isinstance(p, BufferedSlotCache))  # fmt: skip
+        return pages + self._sequence_state_bytes * len(lengths) // self.max_sequences
 
     # -- a forward ---------------------------------------------------------------
 
@@ -234,6 +252,20 @@ class BatchedCaches:
         """One view per layer for ``step``: what the model's layers take as caches."""
         return [(BatchedStateLayer if isinstance(spec, StateSpec) else BatchedLayer)(self, index, step)
                 for index, spec in enumerate(self.specs)]  # fmt: skip
+
+
+def page_slots(table: mx.array, page_size: int, length: int) -> mx.array:
+    """The slots of each sequence's first ``length`` positions ``[sequences, length]``, from its page
+    table ``[sequences, pages]``: position ``p`` in slot ``table[b, p // page_size] * page_size + p %
+    page_size``. What a paged kernel's reference gathers with."""
+    slots = table[:, :, None] * page_size + mx.arange(page_size, dtype=mx.int32)
+    return slots.reshape(table.shape[0], -1)[:, :length]
+
+
+def live_mask(lengths: mx.array, length: int) -> mx.array:
+    """``[sequences, 1, 1, length]``: which of ``length`` gathered positions each sequence attends to
+    (its first ``lengths[b]``), as a single query token's attention mask."""
+    return (mx.arange(length, dtype=mx.int32)[None] < lengths[:, None])[:, None, None]
 
 
 class BatchedStep:
@@ -254,15 +286,18 @@ class BatchedStep:
                                       "reserve them first")  # fmt: skip
         self.caches, self.sequences, self.tokens, self.starts = caches, sequences, tokens, starts
         self.positions = starts[0] if len(sequences) == 1 else mx.array(starts, dtype=mx.int32)
-        self.rows = mx.array([h.slot for h in handles], dtype=mx.int32)
-        """Each sequence's row in the recurrent layers' state pools."""
-        self._placements: dict[Window | None, Placement] = {}
+        self.slots = [h.slot for h in handles]
+        """Each sequence's slot: its row in the recurrent layers' state pools and in ``SequenceState``s."""
+        self.rows = mx.array(self.slots, dtype=mx.int32)
+        self._placements: dict[tuple[Window | None, bool], Placement] = {}
 
-    def placement(self, window: Window | None) -> Placement:
-        """Where this step's rows go and what each sequence attends to, in a layer under ``window``."""
-        if window not in self._placements:
-            self._placements[window] = Placement(self, window)
-        return self._placements[window]
+    def placement(self, window: Window | None, *, fresh: bool = False) -> Placement:
+        """Where this step's rows go and what each sequence attends to, in a layer under ``window``;
+        with ``fresh``, a chunk attends to its own rows as they came (``Placement``)."""
+        key = (window, fresh and self.tokens > 1)
+        if key not in self._placements:
+            self._placements[key] = Placement(self, window, fresh=key[1])
+        return self._placements[key]
 
     def advance(self) -> None:
         """Count the step's positions as held (after its forward is built)."""
@@ -277,10 +312,12 @@ class Placement:
     ``keep + (p - keep) % ring`` (``butter_core.window``). A step whose chunk makes some
     sequence's ring wrap (``wraps``) attends over the stored slots plus the chunk's own rows
     under a mask of absolute positions, then writes only the rows that survive, as
-    ``WindowCache`` does; any other step writes every row, then attends over the live slots.
+    ``WindowCache`` does; so does any chunk of a ``fresh`` placement (a scheme with a
+    ``SequenceState``: butter-aura attends to a chunk as it came, not decoded from its codes).
+    Any other step writes every row, then attends over the live slots.
     """
 
-    def __init__(self, step: BatchedStep, window: Window | None):
+    def __init__(self, step: BatchedStep, window: Window | None, *, fresh: bool = False):
         page, tokens, starts = step.caches.page_size, step.tokens, step.starts
 
         def slot(p: int) -> int:
@@ -291,35 +328,33 @@ class Placement:
 
         cap = math.inf if window is None else window.max_size
         self.wraps = tokens > 1 and any(start + tokens > cap for start in starts)
-        if self.wraps:
-            survivors = [(b * tokens + p - start, physical(s, slot(p)))
-                         for b, (s, start) in enumerate(zip(step.sequences, starts))
-                         for p in window.survivors(start, start + tokens)]  # fmt: skip
-            self.write_rows = mx.array([row for row, _ in survivors], dtype=mx.int32)
-            self.write_slots = mx.array([at for _, at in survivors], dtype=mx.int32)
-            live = [min(start, cap) for start in starts]
-        else:
-            self.write_rows = None
-            self.write_slots = mx.array([physical(s, slot(p)) for s, start in zip(step.sequences, starts)
-                                         for p in range(start, start + tokens)], dtype=mx.int32)  # fmt: skip
-            live = [min(start + tokens, cap) for start in starts]
+        self.fresh = fresh or self.wraps
+        """Whether the chunk attends to the stored slots plus its own rows (read before the write)."""
+        kept = (range(start, start + tokens) if not self.wraps else window.survivors(start, start + tokens)
+                for start in starts)  # fmt: skip
+        self.written = [Written(b, b * tokens + p - start, slot(p), p)
+                        for b, (start, positions) in enumerate(zip(starts, kept)) for p in positions]  # fmt: skip
+        """The rows this step writes, in position order per sequence (``SequenceState.write``)."""
+        self.write_slots = mx.array([physical(step.sequences[w.sequence], w.slot) for w in self.written], dtype=mx.int32)
+        self.write_rows = mx.array([w.row for w in self.written], dtype=mx.int32) if self.wraps else None
+        live = [min(start if self.fresh else start + tokens, cap) for start in starts]
         self.length = max(max(live), 1)
         held = -(-self.length // page)
         self.table = mx.array([s.pages[:held] + [s.pages[0]] * (held - min(held, len(s.pages))) for s in step.sequences],
                               dtype=mx.int32)  # fmt: skip
         """Each sequence's pages ``[sequences, pages]`` (padded with its first), for paged kernels."""
         self.lengths = mx.array(live, dtype=mx.int32)
-        slots = (self.table[:, :, None] * page + mx.arange(page, dtype=mx.int32)).reshape(len(starts), -1)
-        self.read_index = slots[:, : self.length]
+        self.read_index = page_slots(self.table, page, self.length)
         queries = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(tokens, dtype=mx.int32)  # [B, T]
-        if self.wraps:
+        if self.fresh:
             held_positions = [
                 [s if start <= cap or s < window.keep else window.ring_position(s, start - 1) for s in range(n)]
                 + [2**30] * (self.length - n)
                 for start, n in zip(starts, live)
             ]  # fmt: skip
             keys = mx.concatenate([mx.array(held_positions, dtype=mx.int32), queries], axis=1)[:, None]  # [B, 1, S+T]
-            self.mask = window.visible(keys, queries[:, :, None])[:, None]
+            visible = keys <= queries[:, :, None] if window is None else window.visible(keys, queries[:, :, None])
+            self.mask = visible[:, None]
         elif len(starts) == 1:
             self.mask = "causal" if tokens > 1 else None
         else:
@@ -349,22 +384,43 @@ class BatchedLayer(StepView):
         if keys.shape[2] != self.step.tokens:
             raise ConfigError(f"layer {self.spec.layer_index}: {keys.shape[2]} tokens in a step of {self.step.tokens}")
         prototype, storage = self.caches.prototypes[self.index], self.caches.storage[self.index]
-        place = self.step.placement(self.caches.windows[self.index])
-        if place.wraps:
-            stored_keys, stored_values = prototype.decode(storage.read_at(place.read_index))
+        state = self.caches.states[self.index]
+        place = self.step.placement(self.caches.windows[self.index], fresh=state is not None)
+        if place.fresh:
+            # A wrapping chunk overwrites slots it must first read; any other writes no slot it reads, and
+            # writes first, as a single cache does, so that its rows take their place in the sequence state.
+            if not place.wraps:
+                self._write(place, keys, values)
+            stored_keys, stored_values = self._stored(place)
             out = attend(queries, mx.concatenate([stored_keys, keys.astype(stored_keys.dtype)], axis=2),
                          mx.concatenate([stored_values, values.astype(stored_values.dtype)], axis=2),
                          scale=scale, mask=place.mask)  # fmt: skip
-            storage.write_at(place.write_slots, prototype.encode(keys, values), take=place.write_rows)
+            if place.wraps:
+                self._write(place, keys, values)
             return out
-        storage.write_at(place.write_slots, prototype.encode(keys, values))
-        if self.step.tokens == 1:
+        self._write(place, keys, values)
+        if self.step.tokens == 1 and state is None:
             out = prototype.paged_decode(queries, storage.read(), place.table, place.lengths, self.caches.page_size,
                                          place.length, scale)  # fmt: skip
             if out is not None:
                 return out.astype(queries.dtype)
-        stored_keys, stored_values = prototype.decode(storage.read_at(place.read_index))
+        stored_keys, stored_values = self._stored(place)
         return attend(queries, stored_keys, stored_values, scale=scale, mask=place.mask)
+
+    def _write(self, place: Placement, keys: mx.array, values: mx.array) -> None:
+        """Encode and scatter the step's rows into the pages (and tell the sequence state)."""
+        self.caches.storage[self.index].write_at(place.write_slots, self.caches.prototypes[self.index].encode(keys, values),
+                                                 take=place.write_rows)  # fmt: skip
+        state = self.caches.states[self.index]
+        if state is not None:
+            state.write(self.step.slots, place.written, keys, values)
+
+    def _stored(self, place: Placement) -> tuple[mx.array, mx.array]:
+        """Each sequence's first ``place.length`` slots, gathered from its pages and decoded (then
+        amended by the sequence state)."""
+        keys, values = self.caches.prototypes[self.index].decode(self.caches.storage[self.index].read_at(place.read_index))
+        state = self.caches.states[self.index]
+        return (keys, values) if state is None else state.read(self.step.slots, place.length, keys, values)
 
 
 class StatePool:

@@ -8,7 +8,9 @@ keeps every name the guide documents importable.
 - The attention contract: ``LayerCache`` (what every layer's cache has),
   ``AttentionCache`` (what a model's attention calls), ``SlotCache`` (what an attention
   scheme subclasses), ``BufferedSlotCache`` and ``SlotBuffers`` (storage grown in steps),
-  ``LayerSpec``, ``check_chunk``, ``attend`` and ``reference_attention``.
+  ``LayerSpec``, ``check_chunk``, ``attend`` and ``reference_attention``; ``page_slots`` and
+  ``live_mask`` for the references of paged decode kernels and ``SequenceState`` with
+  ``Written`` for state a scheme keeps per sequence beside the pages (``butter_core.batched``).
 - The recurrent contract: ``StateCache`` (what a recurrent scheme subclasses),
   ``StateSpec``, the mixers ``Mamba2Mixer`` and ``GatedDeltaMixer`` with their layer types,
   and ``recurrent_ops``, the pure-``mx`` scans their kernels are checked against.
@@ -17,11 +19,13 @@ keeps every name the guide documents importable.
 - Registration: ``hookimpl``, ``CacheScheme``, ``EvictionPolicy``.
 - CPU helpers a scheme's own attention path may share: ``softmax_for``,
   ``grouped_queries``, ``compile_by_shape``.
-- The kernel layer (``butter_core.kernels``): ``Kernel``, ``KernelCheck``,
+- The kernel layer (``butter_core.kernels``): ``Kernel``, ``KernelCheck`` (with
+  ``paged_attention_inputs``, a paged decode kernel's check inputs),
   ``kernel_params``, ``split_k`` and ``mma``, and what decides where kernels run.
 """
 
 from butter_core import recurrent_ops
+from butter_core.batched import live_mask, page_slots
 from butter_core.cache import (
     ATTENTION,
     AttentionCache,
@@ -46,12 +50,14 @@ from butter_core.kernels import (
     gpu_backend,
     kernel_params,
     mma,
+    paged_attention_inputs,
     split_k,
     tensor_cores_available,
 )
 from butter_core.kernels.backend import GpuShape, gpu_shape
 from butter_core.recurrent import GATED_DELTA, MAMBA2, GatedDeltaMixer, Mamba2Mixer, StateCache, StateSpec
 from butter_core.registry import CacheScheme, EvictionPolicy
+from butter_core.sequence_state import SequenceState, Written
 from butter_core.slots import BufferedSlotCache, Layout, SlotBuffers, Stacks, unstack
 
 __all__ = [
@@ -76,6 +82,7 @@ __all__ = [
     "Mamba2Mixer",
     "Mask",
     "PluginError",
+    "SequenceState",
     "SlotBuffers",
     "SlotCache",
     "Snapshot",
@@ -91,8 +98,11 @@ __all__ = [
     "grouped_queries",
     "hookimpl",
     "kernel_params",
+    "live_mask",
     "mma",
     "one_of",
+    "paged_attention_inputs",
+    "page_slots",
     "positive",
     "recurrent_ops",
     "reference_attention",
@@ -100,4 +110,5 @@ __all__ = [
     "split_k",
     "tensor_cores_available",
     "unstack",
+    "Written",
 ]

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from butter_core.cache import LayerSpec, SlotCache
 from butter_core.errors import ConfigError
+from butter_core.sequence_state import SequenceState
 
 GROWTH_STEP = 256
 """Buffers are allocated in whole steps of this many positions, up to capacity."""
@@ -220,6 +221,14 @@ class BufferedSlotCache(SlotCache):
         in slot ``table[b, p // page_size] * page_size + p % page_size``, its live positions
         ``lengths[b]``, at most ``length``), in the queries' dtype; None where this scheme has no
         such kernel here, and batched storage gathers the pages and calls ``decode`` instead."""
+        return None
+
+    def sequence_state(self, sequences: int, capacity: int, ring_start: int | None) -> SequenceState | None:
+        """Optional: the state this scheme keeps per sequence beside its pages in batched storage
+        (``butter_core.sequence_state``), ``sequences`` rows, each sequence holding at most ``capacity``
+        slots, reused in turn from ``ring_start`` under a window (None: none); None where the slots are
+        all (most schemes). A scheme with one attends in batched storage over gathered pages (no
+        ``paged_decode``), and a chunk attends to its own rows as they came."""
         return None
 
     def store(self, start, keys, values, position):

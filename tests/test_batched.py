@@ -18,11 +18,9 @@ from butter_core.plugins import get_plugin_host
 from butter_core.testing.fixtures import example_kind
 from butter_core.testing.tiny_models import TinySpec, write_tiny_model
 
-BATCHED = ("affine", "fp8", "raw")
-"""The attention schemes that run batched (define ``BufferedSlotCache.encode``/``decode``); butter-aura
-keeps full-precision rows per sequence beside its codes, which pages do not hold yet."""
-SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items()
-                 if ATTENTION in r.scheme.layer_types and name in BATCHED)  # fmt: skip
+SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items() if ATTENTION in r.scheme.layer_types)
+"""Every attention scheme installed: each runs batched (defines ``BufferedSlotCache.encode``/``decode``;
+butter-aura adds a ``SequenceState`` for its full-precision rows)."""
 PROMPTS = [
     "The quick brown fox",
     "def add(a, b):",
@@ -48,8 +46,8 @@ def _single(model: Model, prompt: list[int], max_tokens: int) -> list[int]:
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_batched_logits_match_single_sequences(model_dir, scheme):
-    """Sequences of different lengths decoded in one forward give each the logits it gets alone,
-    to float32 rounding for raw, within the scheme's stated tolerance otherwise."""
+    """Sequences of different lengths decoded in one forward give each the logits its own decode step
+    gets alone, to float32 rounding for raw, within the scheme's stated tolerance otherwise."""
     model = _model(str(model_dir), scheme)
     _, tolerance = example_kind(scheme, 32)
     prompts = [model.encode_prompt(text) for text in PROMPTS]
@@ -61,7 +59,9 @@ def test_batched_logits_match_single_sequences(model_dir, scheme):
     nexts = [[7], [11], [13], [17]]
     batched = model.engine.run_batched(mx.array(nexts, dtype=mx.uint32), caches, handles)
     for row, (prompt, nxt) in enumerate(zip(prompts, nexts)):
-        alone = model.engine.forward(prompt + nxt, model.engine.make_layer_caches())
+        caches = model.engine.make_layer_caches()
+        mx.eval(model.engine.forward(prompt, caches))
+        alone = model.engine.forward(nxt, caches)  # a decode step, as the batched one is
         error = (mx.abs(batched[row] - alone).max() / mx.abs(alone).max()).item()
         bound = 1e-5 if scheme == "raw" else tolerance
         if bound is None:
@@ -111,6 +111,27 @@ def test_each_sequence_keeps_its_own_window(model_dir, scheme, chunk):
     got: dict[int, list[int]] = {}
     for sequence_id, token in batch:
         got.setdefault(sequence_id, []).append(token)
+    assert [got[i] for i in ids] == alone
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("window", [None, Window(40, keep=4)], ids=["no-window", "window"])
+def test_long_prompts_prefilled_in_chunks_give_each_sequence_its_own_tokens(model_dir, scheme, window):
+    """Prompts of 116 and 130 tokens beside a short one, prefilled 16 tokens a step: longer than
+    butter-aura's full-precision rows (4 sinks, 32 recent), so chunks attend to earlier chunks'
+    codes and to their own rows as they came, as they do alone."""
+    kind, _ = example_kind(scheme, 32)
+    model = Model.load(str(model_dir), LoadOptions(kv_cache=kind, kv_eviction=window))
+    model.engine.prefill_chunk = 16
+    texts = [PROMPTS[2] + " " + PROMPTS[2] + " and a dog and a cat", PROMPTS[1] * 6, PROMPTS[0]]
+    prompts = [model.encode_prompt(text) for text in texts]
+    alone = [_single(model, p, 24) for p in prompts]
+    batch = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=1024, page_size=8), prefill_chunk=16)
+    ids = [batch.add(p, max_tokens=24, stop_ids=()) for p in prompts]
+    got: dict[int, list[int]] = {}
+    for sequence_id, token in batch:
+        got.setdefault(sequence_id, []).append(token)
+    assert min(map(len, prompts[:2])) > 36
     assert [got[i] for i in ids] == alone
 
 
@@ -174,12 +195,24 @@ def test_batched_storage_bytes(model_dir):
     assert caches.nbytes_live == 21 * per_position
 
 
+def test_sequence_state_bytes_are_counted_per_open_sequence(model_dir):
+    """butter-aura's full-precision rows (4 sinks + 32 recent, float16, per sequence slot) count in
+    the bytes allocated, and each open sequence's share in the live bytes."""
+    if "aura" not in get_plugin_host().schemes:
+        pytest.skip("butter-aura is not installed")
+    model = _model(str(model_dir), "aura")
+    caches = model.engine.make_batched_caches(capacity_tokens=64, page_size=16, max_sequences=3)
+    per_sequence = 2 * 2 * 36 * 2 * 32 * 2  # K and V, 2 layers, 36 rows of 2 KV heads of 32, float16
+    pages = caches.nbytes_allocated - 3 * per_sequence
+    assert pages == sum(p.bytes_per_slot for p in caches.prototypes) * 64
+    handle = caches.open()
+    caches.reserve(handle, 10)
+    mx.eval(model.engine.run_batched(mx.arange(10, dtype=mx.uint32)[None], caches, [handle]))
+    assert caches.nbytes_live == 10 * pages // 64 + per_sequence
+
+
 @pytest.mark.usefixtures("raw_scheme")
 def test_what_batched_caches_do_not_take_yet_is_refused_clearly(model_dir):
-    if "aura" in get_plugin_host().schemes:
-        model = _model(str(model_dir), "aura")
-        with pytest.raises(ConfigError, match=r"\(AuraCache\) do not define BufferedSlotCache.encode/decode"):
-            model.engine.make_batched_caches(capacity_tokens=64)
     model = _model(str(model_dir), "raw")
     batch = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=64, page_size=8))
     with pytest.raises(ConfigError, match=r"need 9 pages; the batched caches hold 8 \(capacity_tokens 64\)"):

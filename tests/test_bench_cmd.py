@@ -86,11 +86,16 @@ def test_batch_sizes_run_together_over_pages(capsys, model_path, tmp_path):
     assert "| raw-float16 | 40 | 3 |" in out and "raw-float16 @ 40 x 3" in err
 
 
-def test_a_scheme_that_cannot_run_batched_is_named_before_running(capsys, model_path):
+def test_aura_runs_batched_with_its_full_precision_rows_counted(capsys, model_path, tmp_path):
     if "aura" not in get_plugin_host().schemes:
-        pytest.skip("needs butter-aura, the scheme that does not run batched yet")
-    code, out, err = run(capsys, "bench", "-m", model_path, "--kv-cache", "aura4v2", "--context", "16", "--batch", "2")
-    assert code == 2 and out == "" and "do not define BufferedSlotCache.encode/decode" in err
+        pytest.skip("needs butter-aura")
+    report = tmp_path / "aura.json"
+    code, _, err = run(capsys, "bench", "-m", model_path, "--kv-cache", "aura4v2", "--context", "16", "--batch", "2",
+                       "--decode-tokens", "2", "--json", str(report))  # fmt: skip
+    assert code == 0, err
+    (row,) = [r for r in json.loads(report.read_text())["results"] if r["scheme"] == "aura4v2"]
+    assert row["batch"] == 2 and row["decode_tok_s"] > 0
+    assert row["kv_bytes_allocated"] > row["kv_bytes_live"] > 0
 
 
 def test_every_installed_scheme_runs(capsys, model_path, tmp_path):

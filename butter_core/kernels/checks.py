@@ -7,11 +7,12 @@ same inputs (with poisoned kernel outputs) and compare.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from butter_core.kernels.backend import BACKENDS, Backend, tensor_cores_available
 from butter_core.kernels.kernel import poisoned_outputs
@@ -104,3 +105,42 @@ class KernelCheck:
             relative_error=relative_error(out, ref),
             tolerance=self.rtol[ref.dtype],
         )
+
+
+def paged_attention_inputs(
+    seed: int, *, lengths: Sequence[int], page_size: int, q_heads: int, kv_heads: int, head_dim: int,
+    dead: tuple[float, float] = (1e3, 1e3),
+) -> dict[str, Any]:
+    """Random float32 inputs of a paged decode kernel's check (``butter_core.batched``), for a scheme to
+    encode: each of ``len(lengths)`` sequences' pages drawn in a shuffled order from storage with
+    about as many free pages as used ones, its table padded with its first page; Gaussian keys and
+    values in the live slots, ``dead`` (key, value) in every other slot, so a kernel that reads
+    another sequence's slot or a dead one gets a visibly wrong result. Returns ``queries`` ``[B,
+    q_heads, 1, head_dim]``, ``keys``/``values`` ``[1, kv_heads, slots, head_dim]`` (numpy), ``table``
+    and ``lengths`` (int32 mx arrays), ``page_size``, ``length`` (the longest) and ``scale``."""
+    rng = np.random.default_rng(seed)
+    pages = [-(-n // page_size) for n in lengths]
+    total_pages = 2 * sum(pages) + 1
+    order = rng.permutation(total_pages)
+    table = np.zeros((len(lengths), max(pages)), dtype=np.int32)
+    shape = (1, kv_heads, total_pages * page_size, head_dim)
+    keys, values = np.full(shape, dead[0], dtype=np.float32), np.full(shape, dead[1], dtype=np.float32)
+    taken = 0
+    for b, (count, n) in enumerate(zip(pages, lengths)):
+        table[b, :count] = order[taken : taken + count]
+        table[b, count:] = table[b, 0]
+        taken += count
+        positions = np.arange(n)
+        slots = table[b, positions // page_size].astype(np.int64) * page_size + positions % page_size
+        keys[0][:, slots] = rng.standard_normal((kv_heads, n, head_dim))
+        values[0][:, slots] = rng.standard_normal((kv_heads, n, head_dim))
+    return {
+        "queries": rng.standard_normal((len(lengths), q_heads, 1, head_dim), dtype=np.float32),
+        "keys": keys,
+        "values": values,
+        "table": mx.array(table),
+        "lengths": mx.array(np.array(lengths, dtype=np.int32)),
+        "page_size": page_size,
+        "length": max(lengths),
+        "scale": head_dim**-0.5,
+    }

@@ -85,6 +85,13 @@ struct SplitKBlock {
   int end;
 };
 
+// The sequence (batch row) a threadgroup serves: what a paged kernel needs before
+// splitk_block, whose split of the live keys depends on that sequence's length.
+template <int HEADS>
+BT_FUNC int splitk_sequence(uint3 block_idx, int q_heads, int kv_heads) {
+  return (block_idx.x / (q_heads / kv_heads / HEADS)) / kv_heads;
+}
+
 template <int HEADS>
 BT_FUNC SplitKBlock splitk_block(uint3 block_idx, uint3 grid_dim, int q_heads, int kv_heads, int live) {
   const int group = q_heads / kv_heads;

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, default_device_is_gpu, gpu_backend
 
+from butter_affine.kernels import decode
 from butter_affine.kind import Affine
 from butter_affine.ops import AffineOps, select_ops
-from butter_affine.packing import STACKS, PackedFormat
+from butter_affine.packing import BUFFERS, STACKS, PackedFormat
 from butter_affine.working_set import PrefillPipeline
 
 
@@ -25,7 +26,9 @@ class AffineCache(BufferedSlotCache):
     biases. Multi-token attention dequantizes the live slots and uses MLX's SDPA, then
     hands its output to ``pipeline`` (shared by the layers of one model; None: no
     bound) so that few layers' dequantized K/V exist at once (``working_set``);
-    single-token attention uses the fastest path of this backend (``ops``).
+    single-token attention uses the fastest path of this backend (``ops``). In batched storage
+    (``butter_core.batched``) on a GPU, a decode step reads every sequence's codes in place
+    through its page table (``kernels.decode.paged_decode_attention``).
     """
 
     def __init__(self, spec: LayerSpec, kind: Affine, pipeline: PrefillPipeline | None = None):
@@ -44,6 +47,12 @@ class AffineCache(BufferedSlotCache):
             empty = mx.zeros((next(iter(rows.values())).shape[0], s.n_kv_heads, 0, s.head_dim), s.dtype)
             return empty, empty
         return self.ops.dequantize(rows, slots)
+
+    def paged_decode(self, queries, buffers, table, lengths, page_size, length, scale):
+        if not (default_device_is_gpu() and gpu_backend() is not None and decode.supports(self.format, queries.dtype)):
+            return None
+        return decode.paged_decode_attention(queries, *(buffers[name] for name in BUFFERS), table=table, lengths=lengths,
+                                             page_size=page_size, length=length, scale=scale)  # fmt: skip
 
     def load(self, length):
         """``decode`` of the live slots, reading the whole buffers (the shape a traced kernel keeps)."""

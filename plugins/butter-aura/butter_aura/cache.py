@@ -11,6 +11,7 @@ from butter_aura.codec import SCALE_DTYPE
 from butter_aura.kind import Aura
 from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype, stacks_for
 from butter_aura.rotation import Rotation, layer_seed
+from butter_aura.sequences import FullPrecisionRows
 from butter_aura.stored import StoredLayer
 
 FULL_PRECISION_ARRAYS = ("fp_keys", "fp_values", "recent_slots", "recent_positions")
@@ -40,6 +41,10 @@ class AuraCache(BufferedSlotCache):
       attends to the dequantized earlier slots plus its own keys and values in full
       precision; its codes serve later tokens;
     * anything else (the window decorator's wrap-around path): dequantized slots.
+
+    In batched storage (``butter_core.batched``) the pages hold the codes (``encode``,
+    ``decode``) and ``FullPrecisionRows`` each sequence's full-precision rows
+    (``sequence_state``); a chunk attends to its own rows as they came there too.
 
     Re-encoding a slot writes whole new code words, so nothing of a slot's previous
     contents survives (window eviction overwrites slots).
@@ -87,6 +92,20 @@ class AuraCache(BufferedSlotCache):
         # zeros would keep hidden copies alive.
         mx.eval(arrays)
         return arrays
+
+    def encode(self, keys, values):
+        return self.ops.encode_rows(keys, values, self.rotation, self.key_codec, self.value_codec)
+
+    def decode(self, rows):
+        """The codes' vectors, rotated back (full-precision rows are not in ``rows``: ``load`` and
+        ``FullPrecisionRows`` put them in)."""
+        keys = self.rotation.invert(self.key_codec.decode(rows["key_codes"], rows["key_scales"]))
+        values = self.rotation.invert(self.value_codec.decode(rows["value_codes"], rows["value_scales"]))
+        return keys.astype(self.spec.dtype), values.astype(self.spec.dtype)
+
+    def sequence_state(self, sequences, capacity, ring_start):
+        budget = FullPrecisionBudget.for_capacity(capacity, ring_start)
+        return FullPrecisionRows(budget, sequences, self.spec.n_kv_heads, self.spec.head_dim, self.fp_dtype)
 
     def store(self, start, keys, values, position):
         """Encode and write the rows, and copy those the budget keeps into the full-precision rows.

@@ -124,6 +124,19 @@ class FullPrecisionBudget:
         index = self.ring_index(slot)
         return None if index is None else self.sinks + index
 
+    def membership(self, recent_slots: mx.array, length: int) -> tuple[mx.array, mx.array]:
+        """For slots ``[0, length)``: whether each is read in full precision (bool), and its row (int32,
+        meaningful where it is). ``recent_slots`` ``[ring]`` gives ``[length]`` for both; ``[sequences,
+        ring]`` (one ring per sequence, in batched storage) gives membership ``[sequences, length]``."""
+        slots = mx.arange(length, dtype=mx.int32)
+        sink = slots < self.sinks
+        ringed = (slots >= self.base) & (self.recent > 0)
+        period = max(self.recent, 1)
+        index = mx.where(slots < self.tail, (slots - self.base) % period, self.recent + slots - self.tail)
+        index = mx.where(ringed, index, 0)
+        member = sink | (ringed & (mx.take(recent_slots, index, axis=-1) == slots))
+        return member, mx.where(sink, slots, self.sinks + index)
+
     def params(self) -> tuple[int, int, int, int]:
         """``(sinks, recent, base, tail)``: what kernels need to find a slot's ring index."""
         return self.sinks, self.recent, self.base, self.tail

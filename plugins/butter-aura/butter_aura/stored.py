@@ -60,16 +60,7 @@ class StoredLayer:
 
     def full_precision_map(self, length: int | None = None) -> tuple[mx.array, mx.array]:
         """For slots ``[0, length)``: whether each is read in full precision, and its row (bool, int32)."""
-        length = self.length if length is None else length
-        budget = self.budget
-        slots = mx.arange(length, dtype=mx.int32)
-        sink = slots < budget.sinks
-        ringed = (slots >= budget.base) & (budget.recent > 0)
-        period = max(budget.recent, 1)
-        index = mx.where(slots < budget.tail, (slots - budget.base) % period, budget.recent + slots - budget.tail)
-        index = mx.where(ringed, index, 0)
-        member = sink | (ringed & (mx.take(self.recent_slots, index) == slots))
-        return member, mx.where(sink, slots, budget.sinks + index)
+        return self.budget.membership(self.recent_slots, self.length if length is None else length)
 
     def recent_on_host(self) -> Sequence[int]:
         """``recent_slots`` as host integers: ``recent_host``, else read from the array."""

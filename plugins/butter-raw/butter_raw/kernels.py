@@ -27,7 +27,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from butter_core.plugin_api import Kernel, KernelCheck, kernel_params, split_k
+from butter_core.plugin_api import (
+    Kernel,
+    KernelCheck,
+    kernel_params,
+    live_mask,
+    page_slots,
+    paged_attention_inputs,
+    reference_attention,
+    split_k,
+)
 
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -164,7 +173,7 @@ _PAGED_PARTIALS = Kernel(
     body=(
         "  // Paged storage: keys/values [1, kv heads, slots, D] shared by every sequence; sequence b's\n"
         "  // position p is in slot table[b, p / PAGE] * PAGE + p % PAGE, its live keys lengths[b].\n"
-        "  const int sequence = (block_idx.x / (queries_shape[1] / keys_shape[1] / HEADS)) / keys_shape[1];\n"
+        "  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], keys_shape[1]);\n"
         "  const int64_t pages = static_cast<int64_t>(sequence) * table_shape[1];\n"
         + _partials_body(
             "lengths[sequence]", "block.kv_head",
@@ -306,16 +315,9 @@ def paged_sdpa_decode_reference(
 ) -> mx.array:  # fmt: skip
     """The same through plain mx ops: each sequence's pages gathered, its live keys masked, float32."""
     _check_paged_args(queries, keys, values, table, lengths, page_size, length)
-    batch, q_heads, _, dims = queries.shape
-    kv_heads = keys.shape[1]
-    slots = (table[:, :, None] * page_size + mx.arange(page_size, dtype=mx.int32)).reshape(batch, -1)[:, :length]
-    k = keys[0][:, slots].transpose(1, 0, 2, 3).astype(mx.float32)
-    v = values[0][:, slots].transpose(1, 0, 2, 3).astype(mx.float32)
-    q = queries.astype(mx.float32).reshape(batch, kv_heads, q_heads // kv_heads, dims)
-    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
-    live = mx.arange(length)[None, None, None] < lengths[:, None, None, None]
-    weights = mx.softmax(mx.where(live, scores, -mx.inf), axis=-1)
-    return (weights @ v).reshape(queries.shape).astype(queries.dtype)
+    slots = page_slots(table, page_size, length)
+    k, v = (x[0][:, slots].transpose(1, 0, 2, 3) for x in (keys, values))
+    return reference_attention(queries, k, v, scale=scale, mask=live_mask(lengths, length)).astype(queries.dtype)
 
 
 def kv_cache_update(cache: mx.array, rows: mx.array, offset: int) -> mx.array:
@@ -411,37 +413,11 @@ def make_paged_inputs(
     lengths: tuple[int, ...] = (1, 40, 33),
     dtype: mx.Dtype = mx.bfloat16,
 ) -> dict:
-    """Random ``paged_sdpa_decode`` arguments: each sequence's pages scattered through the storage
-    in a shuffled order (with free pages between), every slot outside a live position holding
-    1e3, so a kernel that reads another sequence's or a dead slot gets a visibly wrong result."""
-    rng = np.random.default_rng(seed)
-    pages = [-(-n // page_size) for n in lengths[:batch]]
-    total = 2 * sum(pages) + 1
-    order = rng.permutation(total)
-    table = np.zeros((batch, max(pages)), dtype=np.int32)
-    shape = (1, kv_heads, total * page_size, head_dim)
-    keys = np.full(shape, 1e3, dtype=np.float32)
-    values = np.full(shape, 1e3, dtype=np.float32)
-    taken = 0
-    for b, (count, n) in enumerate(zip(pages, lengths)):
-        table[b, :count] = order[taken : taken + count]
-        table[b, count:] = table[b, 0]
-        taken += count
-        for p in range(n):
-            slot = table[b, p // page_size] * page_size + p % page_size
-            keys[0, :, slot] = rng.standard_normal((kv_heads, head_dim))
-            values[0, :, slot] = rng.standard_normal((kv_heads, head_dim))
-    queries = rng.standard_normal((batch, q_heads, 1, head_dim), dtype=np.float32)
-    return {
-        "queries": mx.array(queries).astype(dtype),
-        "keys": mx.array(keys).astype(dtype),
-        "values": mx.array(values).astype(dtype),
-        "table": mx.array(table),
-        "lengths": mx.array(np.array(lengths[:batch], dtype=np.int32)),
-        "page_size": page_size,
-        "length": max(lengths[:batch]),
-        "scale": head_dim**-0.5,
-    }
+    """Random ``paged_sdpa_decode`` arguments (``paged_attention_inputs``: pages scattered through the
+    storage, 1e3 in every slot outside a live position)."""
+    inputs = paged_attention_inputs(seed, lengths=lengths[:batch], page_size=page_size, q_heads=q_heads,
+                                    kv_heads=kv_heads, head_dim=head_dim)  # fmt: skip
+    return {**inputs, **{name: mx.array(inputs[name]).astype(dtype) for name in ("queries", "keys", "values")}}
 
 
 KERNEL_CHECKS: tuple[KernelCheck, ...] = (

@@ -8,6 +8,8 @@ import pytest
 
 from butter_core.kernels import gpu_backend, relative_error, split_k
 from butter_core.kernels.checks import DEFAULT_RTOL
+from butter_core.kernels.cuda_emulator import emulated_cuda
+from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 from butter_raw import kernels
 from butter_raw.kernels import (
@@ -140,3 +142,16 @@ def test_paged_reference_is_each_sequence_alone(page_size):
         keys, values = inputs["keys"][:, :, slots], inputs["values"][:, :, slots]
         expected = numpy_attention(inputs["queries"][b : b + 1], keys, values, n, inputs["scale"])
         np.testing.assert_allclose(out[b : b + 1], expected, rtol=1e-5, atol=1e-6)
+
+
+PAGED_CHECK = next(c for c in kernels.KERNEL_CHECKS if c.name == "paged_sdpa_decode")
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
+@pytest.mark.parametrize("emulated", [emulated_metal, emulated_cuda], ids=["metal", "cuda"])
+def test_paged_decode_matches_reference_under_the_emulators(emulated):
+    """The paged kernel's Metal and CUDA builds, run on the CPU (every case: ``python -m
+    butter_core.kernels.cuda_emulator raw paged_sdpa_decode``, likewise ``metal_emulator``)."""
+    with emulated():
+        result = PAGED_CHECK.check(seed=11, **PAGED_CHECK.cases[1])
+    assert result.passed, result

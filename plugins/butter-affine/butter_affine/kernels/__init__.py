@@ -4,7 +4,9 @@ each paired with a pure-mx reference in ``KERNEL_CHECKS``.
 - ``quantize.quantize_kv``: new K/V rows -> codes, scales, biases (appends).
 - ``dequantize.dequantize_kv``: the live slots as floats (prefill attention).
 - ``decode.decode_attention``: fused single-token attention reading the codes
-  (split-K, with the scheme-independent pieces in ``butter_core.kernels.split_k``).
+  (split-K, with the scheme-independent pieces in ``butter_core.kernels.split_k``);
+  ``decode.paged_decode_attention``, the same for many sequences at once over the shared
+  pages of batched storage (``butter_core.batched``), each read in place through its table.
 - ``decode_mma.decode_attention``: the same on tensor cores, for 4-, 6- and 8-bit codes
   with float16/bfloat16 queries (fragment bookkeeping in ``butter_core.kernels.mma``).
 """
@@ -125,6 +127,19 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
              "dtype": mx.float32},
             {"bits": 8, "group_size": 32, "length": 300, "allocated": 512, "head_dim": 256, "q_heads": 4,
              "kv_heads": 1, "dtype": mx.float32},
+        ),
+    ),
+    KernelCheck(
+        name="paged_decode_attention",
+        kernel=decode.paged_decode_attention,
+        reference=decode.paged_decode_attention_reference,
+        make_inputs=decode.make_paged_inputs,
+        cases=(
+            {},
+            {"lengths": (5,), "batch": 1, "bits": 8, "group_size": 64, "dtype": mx.float16, "head_dim": 64},
+            {"lengths": (700, 64, 1, 333), "batch": 4, "page_size": 64, "q_heads": 16, "kv_heads": 4, "bits": 6,
+             "dtype": mx.float32},
+            {"lengths": (1200, 17), "batch": 2, "page_size": 32, "q_heads": 32, "kv_heads": 8},
         ),
     ),
     KernelCheck(

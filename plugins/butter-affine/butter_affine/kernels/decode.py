@@ -32,7 +32,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from butter_core.plugin_api import Kernel, kernel_params, reference_attention, split_k
+from butter_core.plugin_api import (
+    Kernel,
+    kernel_params,
+    live_mask,
+    page_slots,
+    paged_attention_inputs,
+    reference_attention,
+    split_k,
+)
 
 from butter_affine import codec
 from butter_affine.kernels.codes import CODE_HELPERS
@@ -56,23 +64,18 @@ TARGET_BLOCKS = 528
 """Threadgroups the split count aims at: two waves of two per multiprocessor on an H200 (132;
 ``split_k.plan`` scales it to the device's multiprocessors)."""
 
-_PARTIALS = Kernel(
-    name="butter_affine_decode_partials",
-    input_names=(*("queries",), *BUFFERS, "length", "scale"),
-    output_names=("partial_acc", "partial_max", "partial_sum"),
-    helpers=CODE_HELPERS + split_k.SPLIT_K_HELPERS + r"""
-// Lane slice of TILE keys (key first + t * stride, its row clamped to last when past
-// it): code words and its group's scale and bias, of K and of V.
+_HELPERS = CODE_HELPERS + split_k.SPLIT_K_HELPERS + r"""
+// Lane slice of TILE keys, the t-th in storage row rows[t]: code words and its group's
+// scale and bias, of K and of V.
 template <int TILE, int WORDS, int ROW_WORDS, int GROUPS, typename Codes, typename Scales>
 BT_FUNC void affine_fetch_tile(
     Codes k_codes, Scales k_scales, Scales k_biases, Codes v_codes, Scales v_scales, Scales v_biases,
-    int first, int stride, int last,
+    BT_PRIVATE const int64_t* rows,
     BT_PRIVATE uint32_t* kw, BT_PRIVATE float* ks, BT_PRIVATE float* kb,
     BT_PRIVATE uint32_t* vw, BT_PRIVATE float* vs, BT_PRIVATE float* vb) {
 #pragma unroll
   for (int t = 0; t < TILE; ++t) {
-    const int key = first + t * stride;
-    const int64_t row = key < last ? key : last;
+    const int64_t row = rows[t];
     affine_load_words<WORDS>(k_codes + row * ROW_WORDS, kw + t * WORDS);
     affine_load_words<WORDS>(v_codes + row * ROW_WORDS, vw + t * WORDS);
     ks[t] = bt_to_float(k_scales[row * GROUPS]);
@@ -81,8 +84,19 @@ BT_FUNC void affine_fetch_tile(
     vb[t] = bt_to_float(v_biases[row * GROUPS]);
   }
 }
-""",
-    body="""
+"""
+
+_ROWS = """
+#pragma unroll
+    for (int t = 0; t < TILE; ++t) {  // key FIRST + t * KEYS_PER_WARP, clamped to the last live one
+      const int key = FIRST + t * KEYS_PER_WARP;
+      const int at = key < end - 1 ? key : (end > 0 ? end - 1 : 0);
+      ROWS[t] = SLOT(at);
+    }
+"""
+"""Storage rows of the TILE keys a lane's stream takes from key ``FIRST``, into ``ROWS``."""
+
+_PARTIALS_BODY = """
   // One threadgroup: one (batch, kv head, group of HEADS query heads) and one split of
   // the live keys. A key's D values are spread over LANES_PER_KEY lanes, ELEMS each,
   // so a warp holds KEYS_PER_WARP keys at once. Scores are in log2 units. q and acc
@@ -95,13 +109,13 @@ BT_FUNC void affine_fetch_tile(
   constexpr int GROUPS = D / GROUP;
 
   const SplitKBlock block = splitk_block<HEADS>(
-      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], length[0]);
+      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], LIVE);
   const int start = block.start;
   const int end = block.end;
   const int allocated = key_codes_shape[2];
   const int sub = lane_id % LANES_PER_KEY;
   const int slot = lane_id / LANES_PER_KEY;
-  const int64_t first_row = static_cast<int64_t>(block.batch_kv_head) * allocated;
+  const int64_t first_row = static_cast<int64_t>(KV_ROWS) * allocated;
   const int64_t code_offset = first_row * ROW_WORDS + sub * WORDS;
   const int64_t group_offset = first_row * GROUPS + (sub * ELEMS) / GROUP;
 
@@ -134,16 +148,18 @@ BT_FUNC void affine_fetch_tile(
   uint32_t next_kw[TILE * WORDS];
   uint32_t next_vw[TILE * WORDS];
   float next_ks[TILE], next_kb[TILE], next_vs[TILE], next_vb[TILE];
+  int64_t rows[TILE];
 
   // This lane's stream: keys base + t * KEYS_PER_WARP + slot for t < TILE, then the
   // next step's. The loop bound is uniform across the warp, so every lane reaches the
   // shuffles.
   int base = start + static_cast<int>(warp_id) * KEYS_PER_WARP * TILE;
   if (PREFETCH) {
+""" + _ROWS.replace("FIRST", "(base + slot)").replace("ROWS", "rows") + """
     affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS>(
         key_codes + code_offset, key_scales + group_offset, key_biases + group_offset,
         value_codes + code_offset, value_scales + group_offset, value_biases + group_offset,
-        base + slot, KEYS_PER_WARP, end - 1, next_kw, next_ks, next_kb, next_vw, next_vs, next_vb);
+        rows, next_kw, next_ks, next_kb, next_vw, next_vs, next_vb);
   }
   for (; base < end; base += KEYS_PER_STEP) {
     if (PREFETCH) {
@@ -160,11 +176,11 @@ BT_FUNC void affine_fetch_tile(
         vb[t] = next_vb[t];
       }
     }
+""" + _ROWS.replace("FIRST", "((PREFETCH ? base + KEYS_PER_STEP : base) + slot)").replace("ROWS", "rows") + """
     affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS>(
         key_codes + code_offset, key_scales + group_offset, key_biases + group_offset,
         value_codes + code_offset, value_scales + group_offset, value_biases + group_offset,
-        (PREFETCH ? base + KEYS_PER_STEP : base) + slot, KEYS_PER_WARP, end - 1,
-        PREFETCH ? next_kw : kw, PREFETCH ? next_ks : ks, PREFETCH ? next_kb : kb,
+        rows, PREFETCH ? next_kw : kw, PREFETCH ? next_ks : ks, PREFETCH ? next_kb : kb,
         PREFETCH ? next_vw : vw, PREFETCH ? next_vs : vs, PREFETCH ? next_vb : vb);
 
     bool valid[TILE];
@@ -235,7 +251,39 @@ BT_FUNC void affine_fetch_tile(
   splitk_write_partials<HEADS, ELEMS, D, WARPS>(
       m, l, acc, sub, slot, warp_id, thread_rank, block,
       warp_m, warp_l, warp_acc, partial_acc, partial_max, partial_sum);
-""",
+"""
+"""The partials pass of both decode kernels, with three expressions left open, as in butter-raw's:
+``LIVE`` (this block's sequence's live keys), ``KV_ROWS`` (which ``allocated``-row run of the
+buffers is this block's: its batch and KV head) and ``SLOT(at)`` (the row holding key ``at``)."""
+
+
+def _partials_body(live: str, kv_rows: str, slot: str) -> str:
+    return _PARTIALS_BODY.replace("LIVE", live).replace("KV_ROWS", kv_rows).replace("SLOT(at)", slot)
+
+
+_PARTIALS = Kernel(
+    name="butter_affine_decode_partials",
+    input_names=(*("queries",), *BUFFERS, "length", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=_HELPERS,
+    body=_partials_body("length[0]", "block.batch_kv_head", "static_cast<int64_t>(at)"),
+)
+
+_PAGED_PARTIALS = Kernel(
+    name="butter_affine_paged_decode_partials",
+    input_names=(*("queries",), *BUFFERS, "table", "lengths", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=_HELPERS,
+    body=(
+        "  // Paged storage: buffers [1, kv heads, slots, width] shared by every sequence; sequence b's\n"
+        "  // position p is in slot table[b, p / PAGE] * PAGE + p % PAGE, its live keys lengths[b].\n"
+        "  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], key_codes_shape[1]);\n"
+        "  const int64_t pages = static_cast<int64_t>(sequence) * table_shape[1];\n"
+        + _partials_body(
+            "lengths[sequence]", "block.kv_head",
+            "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)",
+        )
+    ),
 )
 
 
@@ -271,23 +319,67 @@ def decode_attention_live(
     ``planned_length`` keys (default: every allocated slot; splits past the live keys see
     none). ``live`` must lie in ``1..allocated``: it is not checked, being on the device."""
     fmt = _check_args(queries, key_codes, key_scales, value_codes, key_codes.shape[2])
+    buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
+    return _decode(_PARTIALS, fmt, queries, buffers, [live, scale], planned_length or key_codes.shape[2])
+
+
+def _decode(partials_kernel: Kernel, fmt: PackedFormat, queries: mx.array, buffers: list[mx.array],
+            extra: list[mx.array], length: int, template: list | None = None) -> mx.array:
+    """Either decode kernel's launch: its partials pass (inputs ``queries, *buffers, *extra``,
+    split-K planned for ``length`` keys, ``template`` added to the shared one), then the merge."""
     batch, q_heads, _, dims = queries.shape
     launch = split_k.plan(
-        batch=batch, q_heads=q_heads, kv_heads=key_codes.shape[1], dims=dims,
-        length=planned_length or key_codes.shape[2], warps=WARPS,
+        batch=batch, q_heads=q_heads, kv_heads=buffers[0].shape[1], dims=dims, length=length, warps=WARPS,
         max_heads=MAX_HEADS, min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
     )
-    partials = _PARTIALS(
-        inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases, live, scale],
+    partials = partials_kernel(
+        inputs=[queries, *buffers, *extra],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("ELEMS", ELEMS), ("WARPS", WARPS),
-                  ("TILE", TILE[fmt.bits]), ("PREFETCH", PREFETCH)],
+                  ("TILE", TILE[fmt.bits]), ("PREFETCH", PREFETCH), *(template or [])],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
         output_shapes=launch.output_shapes,
         output_dtypes=launch.output_dtypes,
     )
     return split_k.merge_partials(*partials, queries.dtype)
+
+
+def paged_decode_attention(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, table: mx.array, lengths: mx.array, page_size: int, length: int, scale: float,
+) -> mx.array:
+    """Attention of one query token per sequence over its pages of shared packed storage, the codes
+    read in place (never gathered nor dequantized).
+
+    ``queries`` ``[B, n_q_heads, 1, D]``; the six buffers the paged storage ``[1, n_kv_heads, slots,
+    *]`` of every sequence (``butter_core.batched``); sequence ``b``'s position ``p`` is in slot
+    ``table[b, p // page_size] * page_size + p % page_size`` and it attends to its first
+    ``lengths[b]`` positions (on the device; ``length``, their maximum, sizes the splits).
+    """
+    buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
+    fmt = _check_paged_args(queries, buffers, table, lengths, page_size, length)
+    extra = [table, lengths, kernel_params((scale,), mx.float32)]
+    return _decode(_PAGED_PARTIALS, fmt, queries, buffers, extra, length, [("PAGE", page_size)])
+
+
+def paged_decode_attention_reference(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, table: mx.array, lengths: mx.array, page_size: int, length: int, scale: float,
+) -> mx.array:
+    """The same through plain mx ops: each sequence's pages gathered and dequantized, its live keys
+    masked, in float32."""
+    buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
+    fmt = _check_paged_args(queries, buffers, table, lengths, page_size, length)
+    slots = page_slots(table, page_size, length)
+    rows = [x[0][:, slots].transpose(1, 0, 2, 3) for x in buffers]
+    keys = codec.dequantize(*rows[:3], fmt.bits, mx.float32)
+    values = codec.dequantize(*rows[3:], fmt.bits, mx.float32)
+    return reference_attention(queries, keys, values, scale=scale, mask=live_mask(lengths, length)).astype(queries.dtype)
 
 
 def decode_attention_reference(
@@ -312,6 +404,21 @@ def supports(fmt: PackedFormat, queries_dtype: mx.Dtype) -> bool:
 def available() -> bool:
     """Whether the kernel can run here."""
     return _PARTIALS.available()
+
+
+def _check_paged_args(queries, buffers, table, lengths, page_size, length) -> PackedFormat:
+    key_codes, key_scales, value_codes = buffers[0], buffers[1], buffers[3]
+    if key_codes.ndim != 4 or key_codes.shape[0] != 1:
+        raise ValueError(f"key codes must be paged storage [1, n_kv_heads, slots, words], got {key_codes.shape}")
+    batch = queries.shape[0]
+    if table.ndim != 2 or table.shape[0] != batch or lengths.shape != (batch,):
+        raise ValueError(f"table must be [B, pages] and lengths [B] for B = {batch}; got {table.shape}, {lengths.shape}")
+    if table.dtype != mx.int32 or lengths.dtype != mx.int32:
+        raise ValueError("table and lengths must be int32")
+    if not 0 < length <= table.shape[1] * page_size:
+        raise ValueError(f"length {length} outside 1..{table.shape[1] * page_size} (the table's pages)")
+    one = queries[:1]
+    return _check_args(one, key_codes, key_scales, value_codes, key_codes.shape[2])
 
 
 def _check_args(queries, key_codes, key_scales, value_codes, length) -> PackedFormat:
@@ -361,3 +468,26 @@ def make_inputs(
         "length": length,
         "scale": head_dim**-0.5,
     }
+
+
+def make_paged_inputs(
+    seed: int,
+    *,
+    bits: int = 4,
+    group_size: int = 32,
+    batch: int = 3,
+    q_heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 128,
+    page_size: int = 16,
+    lengths: tuple[int, ...] = (1, 40, 33),
+    dtype: mx.Dtype = mx.bfloat16,
+) -> dict:
+    """Random ``paged_decode_attention`` arguments (``paged_attention_inputs``: pages scattered
+    through the storage, the codes of +-1e3 in every slot outside a live position), quantized by
+    the reference."""
+    inputs = paged_attention_inputs(seed, lengths=lengths[:batch], page_size=page_size, q_heads=q_heads,
+                                    kv_heads=kv_heads, head_dim=head_dim, dead=(1e3, -1e3))  # fmt: skip
+    keys, values = (mx.array(inputs.pop(name)).astype(dtype) for name in ("keys", "values"))
+    packed = codec.quantize(keys, bits, group_size) + codec.quantize(values, bits, group_size)
+    return {**inputs, "queries": mx.array(inputs["queries"]).astype(dtype), **dict(zip(BUFFERS, packed))}

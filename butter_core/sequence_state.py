@@ -1,0 +1,50 @@
+"""``SequenceState``: what an attention scheme keeps per sequence beside its pages in batched storage.
+
+Most schemes keep nothing but their slot buffers, which ``butter_core.batched`` pages. A scheme
+that keeps state beside its slots in its own cache (butter-aura: full-precision copies of the
+sinks and the newest positions, which attention reads instead of their codes) returns one of
+these from ``BufferedSlotCache.sequence_state``: one row per sequence slot, told what each step
+writes (``write``) and asked to amend the rows a step reads back (``read``), so that a sequence
+attends in batched storage to what it would attend to alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import mlx.core as mx
+
+
+class Written(NamedTuple):
+    """One new row a step writes: its sequence's index in the step, its index in the step's
+    flattened rows (``b * tokens + t`` of ``keys`` ``[sequences, heads, tokens, head_dim]``), the
+    sequence's slot it goes to (its position, or under a window ``Window.slot_of``) and its position.
+    A step lists them in position order, per sequence; rows a wrapping chunk does not keep are left out."""
+
+    sequence: int
+    row: int
+    slot: int
+    position: int
+
+
+class SequenceState:
+    """Per-sequence state of one attention layer in batched storage, one row per sequence slot."""
+
+    def reset(self, row: int) -> None:
+        """Forget what row ``row`` held: a sequence opens in that slot."""
+        raise NotImplementedError
+
+    def write(self, rows: Sequence[int], written: Sequence[Written], keys: mx.array, values: mx.array) -> None:
+        """Take note of a step's new rows: ``rows[b]`` is the state row of the step's sequence ``b``,
+        ``keys``/``values`` ``[sequences, heads, tokens, head_dim]`` as the layer got them."""
+        raise NotImplementedError
+
+    def read(self, rows: Sequence[int], length: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Amend ``keys``/``values`` ``[sequences, heads, length, head_dim]``, each sequence's slots ``[0,
+        length)`` decoded from its pages, with what the state holds for them."""
+        raise NotImplementedError
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays it holds (rows for every sequence slot), for byte accounting."""
+        return []

@@ -1,0 +1,70 @@
+"""``FullPrecisionRows``: an AURA layer's full-precision rows for many sequences in batched storage.
+
+The pages (``butter_core.batched``) hold every sequence's codes; this holds, per sequence slot,
+what ``AuraCache`` keeps beside its codes: 16-bit copies of the sinks and of the newest
+positions (``layout.FullPrecisionBudget``), and which slot each recent row holds, so a sequence
+attends in batched storage to the vectors it would attend to alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from butter_core.plugin_api import SequenceState, Written
+
+from butter_aura.layout import FullPrecisionBudget
+
+
+class FullPrecisionRows(SequenceState):
+    """``budget.rows`` full-precision rows per sequence slot, ``[sequences * rows, kv_heads, head_dim]``
+    for keys and for values (one flat index per row, so a step writes and reads them with one
+    scatter and one gather), and each slot's ``recent_slots``/``recent_positions`` on the host,
+    as ``AuraCache`` keeps them."""
+
+    def __init__(self, budget: FullPrecisionBudget, sequences: int, kv_heads: int, head_dim: int, dtype: mx.Dtype):
+        self.budget = budget
+        shape = (sequences * budget.rows, kv_heads, head_dim)
+        self.keys, self.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+        mx.eval(self.keys, self.values)
+        self.recent = [[-1] * budget.ring for _ in range(sequences)]
+        self.recent_positions = [[-1] * budget.ring for _ in range(sequences)]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+    def reset(self, row: int) -> None:
+        self.recent[row] = [-1] * self.budget.ring
+        self.recent_positions[row] = [-1] * self.budget.ring
+
+    def write(self, rows: Sequence[int], written: Sequence[Written], keys: mx.array, values: mx.array) -> None:
+        """Copy the written sinks, and the rows that are now the newest position of their recent row
+        (of two positions whose slots share a row, the newer keeps it)."""
+        budget, taken = self.budget, {}
+        for w in written:
+            fp_row = budget.row_of(w.slot)
+            if fp_row is None:
+                continue
+            row = rows[w.sequence]
+            if fp_row >= budget.sinks:
+                index = fp_row - budget.sinks
+                if w.position < self.recent_positions[row][index]:
+                    continue
+                self.recent[row][index], self.recent_positions[row][index] = w.slot, w.position
+            taken[row * budget.rows + fp_row] = w.row  # a later write of the same row replaces it
+        if not taken:
+            return
+        targets = mx.array(list(taken), dtype=mx.int32)
+        sources = mx.array(list(taken.values()), dtype=mx.int32)
+        for name, new in (("keys", keys), ("values", values)):
+            flat = new.transpose(0, 2, 1, 3).reshape(-1, new.shape[1], new.shape[3])  # [sequences * tokens, heads, D]
+            getattr(self, name)[targets] = flat[sources].astype(self.keys.dtype)
+
+    def read(self, rows: Sequence[int], length: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Each sequence's full-precision rows in place of the decoded codes of the slots they hold."""
+        member, fp_row = self.budget.membership(mx.array([self.recent[r] for r in rows], dtype=mx.int32), length)
+        index = mx.array(rows, dtype=mx.int32)[:, None] * self.budget.rows + fp_row[None]  # [sequences, length]
+        member = member[:, None, :, None]
+        return (mx.where(member, self.keys[index].transpose(0, 2, 1, 3).astype(keys.dtype), keys),
+                mx.where(member, self.values[index].transpose(0, 2, 1, 3).astype(values.dtype), values))  # fmt: skip
