@@ -17,7 +17,7 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
 Peak memory is MLX's, reset before each run. Usage:
 
     python3 bench/gpu_batched.py [--batch 1 8 32 64] [--context 4096] [--decode-tokens 64]
-        [--kv-cache raw,affine4]
+        [--kv-cache raw,affine4,aura4v2]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--kv-cache", default="raw,affine4")
+    parser.add_argument("--kv-cache", default="raw,affine4,aura4v2")
     args = parser.parse_args()
     network = random_qwen3()
     qwen3 = mlx_lm_module("models.qwen3")

@@ -28,8 +28,9 @@ and shared by every layer's ``BatchedLayer`` view, which is what the model's att
 (``update_and_attend``, ``absolute_position``: one RoPE offset per sequence). The view writes
 the rows with the scheme's ``encode`` (one scatter per buffer for all sequences) and, for a
 decode step, attends through the scheme's ``paged_decode`` kernel where it has one (pages
-read in place: butter-raw on a GPU), else over its ``decode`` of the gathered pages: every
-``BufferedSlotCache`` scheme that defines ``encode``/``decode`` runs batched unchanged.
+read in place: butter-raw, butter-affine and, through its ``SequenceState``, butter-aura on a
+GPU), else over its ``decode`` of the gathered pages: every ``BufferedSlotCache`` scheme that
+defines ``encode``/``decode`` runs batched unchanged.
 
 Release and computations in flight: MLX arrays are values. A step's reads hold the storage
 arrays they read, and a write makes a new array unless nothing else holds the old one, so a
@@ -343,6 +344,8 @@ class Placement:
         self.table = mx.array([s.pages[:held] + [s.pages[0]] * (held - min(held, len(s.pages))) for s in step.sequences],
                               dtype=mx.int32)  # fmt: skip
         """Each sequence's pages ``[sequences, pages]`` (padded with its first), for paged kernels."""
+        self.live = live
+        """Each sequence's slots to attend to (host ints)."""
         self.lengths = mx.array(live, dtype=mx.int32)
         self.read_index = page_slots(self.table, page, self.length)
         queries = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(tokens, dtype=mx.int32)  # [B, T]
@@ -399,9 +402,11 @@ class BatchedLayer(StepView):
                 self._write(place, keys, values)
             return out
         self._write(place, keys, values)
-        if self.step.tokens == 1 and state is None:
-            out = prototype.paged_decode(queries, storage.read(), place.table, place.lengths, self.caches.page_size,
-                                         place.length, scale)  # fmt: skip
+        if self.step.tokens == 1:
+            page = self.caches.page_size
+            out = (prototype.paged_decode(queries, storage.read(), place.table, place.lengths, page, place.length, scale)
+                   if state is None else
+                   state.paged_decode(queries, storage.read(), place.table, place.live, page, scale, self.step.slots))  # fmt: skip
             if out is not None:
                 return out.astype(queries.dtype)
         stored_keys, stored_values = self._stored(place)

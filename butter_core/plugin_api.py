@@ -20,7 +20,7 @@ keeps every name the guide documents importable.
 - CPU helpers a scheme's own attention path may share: ``softmax_for``,
   ``grouped_queries``, ``compile_by_shape``.
 - The kernel layer (``butter_core.kernels``): ``Kernel``, ``KernelCheck`` (with
-  ``paged_attention_inputs``, a paged decode kernel's check inputs),
+  ``paged_attention_inputs`` and ``scattered_pages``, a paged decode kernel's check inputs),
   ``kernel_params``, ``split_k`` and ``mma``, and what decides where kernels run.
 """
 
@@ -51,6 +51,7 @@ from butter_core.kernels import (
     kernel_params,
     mma,
     paged_attention_inputs,
+    scattered_pages,
     split_k,
     tensor_cores_available,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "positive",
     "recurrent_ops",
     "reference_attention",
+    "scattered_pages",
     "softmax_for",
     "split_k",
     "tensor_cores_available",

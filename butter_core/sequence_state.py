@@ -45,6 +45,15 @@ class SequenceState:
         length)`` decoded from its pages, with what the state holds for them."""
         raise NotImplementedError
 
+    def paged_decode(
+        self, queries: mx.array, buffers: dict[str, mx.array], table: mx.array, lengths: Sequence[int], page_size: int,
+        scale: float, rows: Sequence[int],
+    ) -> mx.array | None:  # fmt: skip
+        """Optional: ``BufferedSlotCache.paged_decode`` for a scheme with this state (the pages read in
+        place, ``lengths`` each sequence's live slots on the host, ``rows[b]`` its state row); None
+        where there is no such kernel here, and the pages are gathered, decoded and ``read``."""
+        return None
+
     def arrays(self) -> list[mx.array]:
         """The arrays it holds (rows for every sequence slot), for byte accounting."""
         return []

@@ -227,8 +227,8 @@ class BufferedSlotCache(SlotCache):
         """Optional: the state this scheme keeps per sequence beside its pages in batched storage
         (``butter_core.sequence_state``), ``sequences`` rows, each sequence holding at most ``capacity``
         slots, reused in turn from ``ring_start`` under a window (None: none); None where the slots are
-        all (most schemes). A scheme with one attends in batched storage over gathered pages (no
-        ``paged_decode``), and a chunk attends to its own rows as they came."""
+        all (most schemes). A scheme with one decodes through ``SequenceState.paged_decode`` (not this
+        class's ``paged_decode``), and a chunk attends to its own rows as they came."""
         return None
 
     def store(self, start, keys, values, position):

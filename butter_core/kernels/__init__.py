@@ -22,7 +22,7 @@
 """
 
 from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend, tensor_cores_available
-from butter_core.kernels.checks import CheckResult, KernelCheck, paged_attention_inputs, relative_error
+from butter_core.kernels.checks import CheckResult, KernelCheck, paged_attention_inputs, relative_error, scattered_pages
 from butter_core.kernels.kernel import (
     Build,
     Kernel,
@@ -48,6 +48,7 @@ __all__ = [
     "gpu_backend",
     "kernel_params",
     "paged_attention_inputs",
+    "scattered_pages",
     "mma",
     "poisoned_outputs",
     "recorded_builds",

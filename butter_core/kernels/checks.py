@@ -107,33 +107,41 @@ class KernelCheck:
         )
 
 
-def paged_attention_inputs(
-    seed: int, *, lengths: Sequence[int], page_size: int, q_heads: int, kv_heads: int, head_dim: int,
-    dead: tuple[float, float] = (1e3, 1e3),
-) -> dict[str, Any]:
-    """Random float32 inputs of a paged decode kernel's check (``butter_core.batched``), for a scheme to
-    encode: each of ``len(lengths)`` sequences' pages drawn in a shuffled order from storage with
-    about as many free pages as used ones, its table padded with its first page; Gaussian keys and
-    values in the live slots, ``dead`` (key, value) in every other slot, so a kernel that reads
-    another sequence's slot or a dead one gets a visibly wrong result. Returns ``queries`` ``[B,
-    q_heads, 1, head_dim]``, ``keys``/``values`` ``[1, kv_heads, slots, head_dim]`` (numpy), ``table``
-    and ``lengths`` (int32 mx arrays), ``page_size``, ``length`` (the longest) and ``scale``."""
-    rng = np.random.default_rng(seed)
+def scattered_pages(rng: np.random.Generator, lengths: Sequence[int], page_size: int) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """A random paged layout for sequences of ``lengths`` positions (``butter_core.batched``), as a
+    paged kernel's check wants it: each sequence's pages drawn in a shuffled order from storage with
+    about as many free pages as used ones, its table padded with its first page. Returns the table
+    ``[B, pages]`` (int32), each sequence's live slots in position order, and the storage's slots."""
     pages = [-(-n // page_size) for n in lengths]
     total_pages = 2 * sum(pages) + 1
     order = rng.permutation(total_pages)
     table = np.zeros((len(lengths), max(pages)), dtype=np.int32)
-    shape = (1, kv_heads, total_pages * page_size, head_dim)
-    keys, values = np.full(shape, dead[0], dtype=np.float32), np.full(shape, dead[1], dtype=np.float32)
-    taken = 0
+    taken, live = 0, []
     for b, (count, n) in enumerate(zip(pages, lengths)):
         table[b, :count] = order[taken : taken + count]
         table[b, count:] = table[b, 0]
         taken += count
         positions = np.arange(n)
-        slots = table[b, positions // page_size].astype(np.int64) * page_size + positions % page_size
-        keys[0][:, slots] = rng.standard_normal((kv_heads, n, head_dim))
-        values[0][:, slots] = rng.standard_normal((kv_heads, n, head_dim))
+        live.append(table[b, positions // page_size].astype(np.int64) * page_size + positions % page_size)
+    return table, live, total_pages * page_size
+
+
+def paged_attention_inputs(
+    seed: int, *, lengths: Sequence[int], page_size: int, q_heads: int, kv_heads: int, head_dim: int,
+    dead: tuple[float, float] = (1e3, 1e3),
+) -> dict[str, Any]:
+    """Random float32 inputs of a paged decode kernel's check (``butter_core.batched``), for a scheme to
+    encode: pages laid out by ``scattered_pages``; Gaussian keys and values in the live slots, ``dead`` (key, value) in every other slot, so a kernel that reads
+    another sequence's slot or a dead one gets a visibly wrong result. Returns ``queries`` ``[B,
+    q_heads, 1, head_dim]``, ``keys``/``values`` ``[1, kv_heads, slots, head_dim]`` (numpy), ``table``
+    and ``lengths`` (int32 mx arrays), ``page_size``, ``length`` (the longest) and ``scale``."""
+    rng = np.random.default_rng(seed)
+    table, live, total = scattered_pages(rng, lengths, page_size)
+    shape = (1, kv_heads, total, head_dim)
+    keys, values = np.full(shape, dead[0], dtype=np.float32), np.full(shape, dead[1], dtype=np.float32)
+    for slots in live:
+        keys[0][:, slots] = rng.standard_normal((kv_heads, len(slots), head_dim))
+        values[0][:, slots] = rng.standard_normal((kv_heads, len(slots), head_dim))
     return {
         "queries": rng.standard_normal((len(lengths), q_heads, 1, head_dim), dtype=np.float32),
         "keys": keys,

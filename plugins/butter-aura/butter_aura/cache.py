@@ -104,8 +104,7 @@ class AuraCache(BufferedSlotCache):
         return keys.astype(self.spec.dtype), values.astype(self.spec.dtype)
 
     def sequence_state(self, sequences, capacity, ring_start):
-        budget = FullPrecisionBudget.for_capacity(capacity, ring_start)
-        return FullPrecisionRows(budget, sequences, self.spec.n_kv_heads, self.spec.head_dim, self.fp_dtype)
+        return FullPrecisionRows(self, FullPrecisionBudget.for_capacity(capacity, ring_start), sequences)
 
     def store(self, start, keys, values, position):
         """Encode and write the rows, and copy those the budget keeps into the full-precision rows.

@@ -3,7 +3,9 @@
 The pages (``butter_core.batched``) hold every sequence's codes; this holds, per sequence slot,
 what ``AuraCache`` keeps beside its codes: 16-bit copies of the sinks and of the newest
 positions (``layout.FullPrecisionBudget``), and which slot each recent row holds, so a sequence
-attends in batched storage to the vectors it would attend to alone.
+attends in batched storage to the vectors it would attend to alone. On a GPU a decode step reads
+every sequence's codes in place (``kernels.paged``); elsewhere the pages are gathered and decoded,
+and ``read`` puts the rows in.
 """
 
 from __future__ import annotations
@@ -12,9 +14,16 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from typing import TYPE_CHECKING
+
 from butter_core.plugin_api import SequenceState, Written
 
+from butter_aura.kernels import GPU_OPS
+from butter_aura.kernels.paged import PagedStored, paged_decode_attention
 from butter_aura.layout import FullPrecisionBudget
+
+if TYPE_CHECKING:
+    from butter_aura.cache import AuraCache
 
 
 class FullPrecisionRows(SequenceState):
@@ -23,8 +32,11 @@ class FullPrecisionRows(SequenceState):
     scatter and one gather), and each slot's ``recent_slots``/``recent_positions`` on the host,
     as ``AuraCache`` keeps them."""
 
-    def __init__(self, budget: FullPrecisionBudget, sequences: int, kv_heads: int, head_dim: int, dtype: mx.Dtype):
-        self.budget = budget
+    def __init__(self, cache: AuraCache, budget: FullPrecisionBudget, sequences: int):
+        """For the layer of ``cache`` (its codecs, rotation and full-precision dtype; its kernels where
+        its ``ops`` are the GPU's)."""
+        self.cache, self.budget = cache, budget
+        kv_heads, head_dim, dtype = cache.spec.n_kv_heads, cache.spec.head_dim, cache.fp_dtype
         shape = (sequences * budget.rows, kv_heads, head_dim)
         self.keys, self.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
         mx.eval(self.keys, self.values)
@@ -60,6 +72,19 @@ class FullPrecisionRows(SequenceState):
         for name, new in (("keys", keys), ("values", values)):
             flat = new.transpose(0, 2, 1, 3).reshape(-1, new.shape[1], new.shape[3])  # [sequences * tokens, heads, D]
             getattr(self, name)[targets] = flat[sources].astype(self.keys.dtype)
+
+    def paged_decode(self, queries, buffers, table, lengths, page_size, scale, rows):
+        """``kernels.paged.paged_decode_attention`` where the cache runs AURA's kernels."""
+        if self.cache.ops is not GPU_OPS:
+            return None
+        paged = PagedStored(
+            key_codes=buffers["key_codes"], key_scales=buffers["key_scales"], value_codes=buffers["value_codes"],
+            value_scales=buffers["value_scales"], fp_keys=self.keys, fp_values=self.values,
+            recent=[self.recent[r] for r in rows], sequence_rows=mx.array(rows, dtype=mx.int32), table=table,
+            lengths=lengths, page_size=page_size, budget=self.budget, key_codec=self.cache.key_codec,
+            value_codec=self.cache.value_codec, rotation=self.cache.rotation,
+        )  # fmt: skip
+        return paged_decode_attention(queries, paged, scale)
 
     def read(self, rows: Sequence[int], length: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Each sequence's full-precision rows in place of the decoded codes of the slots they hold."""

@@ -10,7 +10,7 @@ from butter_core import LayerSpec
 from butter_core.cache import reference_attention
 from butter_core.kernels import backend, executed_by, gpu_backend, recorded_builds, relative_error
 from butter_core.kernels.cuda_emulator import emulated_cuda
-from butter_core.kernels.metal_emulator import compiler_available
+from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 
 from butter_aura import cpu, reference
@@ -39,6 +39,19 @@ def test_tensor_core_decode_matches_reference_under_the_cuda_emulator(index):
     butter_core.kernels.cuda_emulator aura decode_attention_mma``)."""
     with emulated_cuda():
         result = MMA_CHECK.check(seed=11, **MMA_CHECK.cases[index])
+    assert result.passed, result
+
+
+PAGED_CHECK = next(c for c in KERNEL_CHECKS if c.name == "paged_decode_attention")
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
+@pytest.mark.parametrize("emulated", [emulated_metal, emulated_cuda], ids=["metal", "cuda"])
+def test_paged_decode_matches_reference_under_the_emulators(emulated):
+    """Each sequence's codes through its page table, its own ring and full-precision rows (every case:
+    ``python -m butter_core.kernels.cuda_emulator aura paged_decode_attention``, likewise ``metal_emulator``)."""
+    with emulated():
+        result = PAGED_CHECK.check(seed=11, **PAGED_CHECK.cases[1])
     assert result.passed, result
 
 

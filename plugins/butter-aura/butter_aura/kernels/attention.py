@@ -62,15 +62,7 @@ TARGET_BLOCKS = 528
 """The split count aims at this many partials threadgroups on an H200 (4 per multiprocessor;
 ``split_k.plan`` scales it to the device's multiprocessors)."""
 
-_PARTIALS = Kernel(
-    name="butter_aura_decode_partials",
-    input_names=(
-        "queries", "signs", "key_codes", "key_scales", "value_codes", "value_scales",
-        "key_levels", "value_levels", "recent_slots", "params", "scale",
-    ),
-    output_names=("partial_acc", "partial_max", "partial_sum"),
-    helpers=split_k.SPLIT_K_HELPERS + HELPERS,
-    body="""
+_PARTIALS_BODY = """
   // Template: T (query dtype), S (scale dtype), D, KB/VB (bits), KG/VG (scale groups),
   // HEADS, LANES, WARPS, TILE. params: [live, sinks, ring, recent_lo, recent_hi].
   constexpr int VEC = D / LANES;
@@ -81,7 +73,7 @@ _PARTIALS = Kernel(
   constexpr int VW = (D * VB + 31) / 32;
   constexpr int PER = (HEADS * D + THREADS - 1) / THREADS;
 
-  const AuraSlotParams slot_params = aura_slot_params(params);
+  const AuraSlotParams slot_params = aura_slot_params(params + $PARAMS_AT);
   const SplitKBlock block =
       splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], slot_params.live);
   const int allocated = key_codes_shape[2];
@@ -118,7 +110,7 @@ _PARTIALS = Kernel(
     }
   }
 
-  const int64_t rows = static_cast<int64_t>(block.batch_kv_head) * allocated;
+  const int64_t rows = static_cast<int64_t>($KV_ROWS) * allocated;
   // The loop bound is uniform across the warp, so every lane reaches the shuffles.
   for (int base = block.start + static_cast<int>(warp_id) * KEYS_PER_WARP * TILE; base < block.end;
        base += KEYS_PER_STEP) {
@@ -128,8 +120,9 @@ _PARTIALS = Kernel(
     int64_t row[TILE];
     for (int t = 0; t < TILE; ++t) {
       const int key = base + t * KEYS_PER_WARP + slot;
-      valid[t] = aura_coded(slot_params, recent_slots, key, block.end);
-      row[t] = rows + (key < block.end ? key : base);
+      valid[t] = aura_coded(slot_params, recent_slots + $RECENT_AT, key, block.end);
+      const int at = key < block.end ? key : base;
+      row[t] = rows + $SLOT;
       const auto words = key_codes + row[t] * KW;
       float partial[HEADS];
       for (int h = 0; h < HEADS; ++h) {
@@ -191,18 +184,12 @@ _PARTIALS = Kernel(
   splitk_write_partials<HEADS, VEC, D, WARPS>(
       m, l, acc, sub, slot, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
       partial_acc, partial_max, partial_sum);
-""",
-)
+"""
+"""The partials pass of both decode kernels, with its sequence's expressions left open: ``$PARAMS_AT``
+(where its ``params`` start), ``$RECENT_AT`` (where its ``recent_slots`` start), ``$KV_ROWS`` (which
+``allocated``-slot run of the code arrays is this block's) and ``$SLOT`` (the slot holding key ``at``)."""
 
-_MERGE = Kernel(
-    name="butter_aura_decode_merge",
-    input_names=(
-        "partial_acc", "partial_max", "partial_sum", "queries", "signs",
-        "fp_keys", "fp_values", "recent_slots", "params", "scale",
-    ),
-    output_names=("out",),
-    helpers=split_k.MERGE_HELPERS + HELPERS,
-    body="""
+_MERGE_BODY = """
   // Template: T (query dtype), F (full-precision row dtype), D, ROWS (full-precision
   // rows). One threadgroup of SPLITK_MERGE_THREADS threads per (batch, query head):
   // thread t handles dimension d = t % D of part p = t / D. params: [live, ...]; the
@@ -217,9 +204,10 @@ _MERGE = Kernel(
   const int q_heads = queries_shape[1];
   const int kv_heads = fp_keys_shape[1];
   const int64_t head = block_idx.x;
-  const int batch = static_cast<int>(head / q_heads);
+  const int sequence = static_cast<int>(head / q_heads);  // its batch row
   const int kv_head = static_cast<int>(head % q_heads) / (q_heads / kv_heads);
-  const int64_t fp_base = (static_cast<int64_t>(batch) * kv_heads + kv_head) * ROWS * D;
+  const int64_t fp_base = $FP_BASE;  // row r of this head: fp_base + r * fp_stride
+  const int64_t fp_stride = $FP_STRIDE;
   const int t = static_cast<int>(thread_idx.x);
   const int d = t % D;
   const int p = t / D;
@@ -235,8 +223,8 @@ _MERGE = Kernel(
   // signs, this part's rows' values (rows p, p + PARTS, ...; every row lies
   // in the buffer, the unused ones are not added), and the query and keys of the rows
   // this warp scores (rows w, w + WARPS_HERE, ...).
-  const int live = params[0];
-  const int sinks = ROWS - recent_slots_shape[0];
+  const int live = params[$PARAMS_AT];
+  const int sinks = ROWS - $RING;
   const float q_scale = scale[0] * 1.4426950408889634f;
   float sign[LANE_DIMS];
 #pragma unroll
@@ -247,7 +235,7 @@ _MERGE = Kernel(
 #pragma unroll
   for (int k = 0; k < ROWS_PER_PART; ++k) {
     const int r = p + k * PARTS;
-    v[k] = r < ROWS ? bt_to_float(fp_values[fp_base + r * D + d]) : 0.0f;
+    v[k] = r < ROWS ? bt_to_float(fp_values[fp_base + r * fp_stride + d]) : 0.0f;
   }
   float q[LANE_DIMS];
   float keys[ROWS_PER_WARP > 0 ? ROWS_PER_WARP * LANE_DIMS : 1];
@@ -260,7 +248,7 @@ _MERGE = Kernel(
     const int r = static_cast<int>(warp_id) + k * WARPS_HERE;
 #pragma unroll
     for (int i = 0; i < LANE_DIMS; ++i) {
-      keys[k * LANE_DIMS + i] = r < ROWS ? bt_to_float(fp_keys[fp_base + r * D + lane_id + i * BT_WARP_SIZE]) : 0.0f;
+      keys[k * LANE_DIMS + i] = r < ROWS ? bt_to_float(fp_keys[fp_base + r * fp_stride + lane_id + i * BT_WARP_SIZE]) : 0.0f;
     }
   }
   // The coded part: this part's share of the splits (rotated domain).
@@ -277,7 +265,7 @@ _MERGE = Kernel(
     }
     const float sum = bt_warp_sum(part);
     if (r < ROWS && lane_id == 0) {
-      const int held = r < sinks ? r : recent_slots[r - sinks];
+      const int held = r < sinks ? r : recent_slots[$RECENT_AT + r - sinks];
       const bool used = r < sinks ? r < live : (held >= 0 && held < live);
       fp_score[r] = used ? sum * q_scale : BT_NEG_INF;
     }
@@ -316,7 +304,80 @@ _MERGE = Kernel(
       out[head * D + first + i] = bt_from_float<T>(xi / li);
     }
   }
-""",
+"""
+"""The merge of both decode kernels, with its sequence's expressions left open: ``$PARAMS_AT``,
+``$RECENT_AT`` and ``$RING`` (its ring's length), and where a head's full-precision rows lie:
+row ``r`` at ``$FP_BASE + r * $FP_STRIDE``."""
+
+_DENSE = {
+    "$PARAMS_AT": "0", "$RECENT_AT": "0", "$RING": "recent_slots_shape[0]", "$KV_ROWS": "block.batch_kv_head",
+    "$SLOT": "at", "$FP_BASE": "(static_cast<int64_t>(sequence) * kv_heads + kv_head) * ROWS * D", "$FP_STRIDE": "D",
+}
+"""One cache's arrays: ``params`` and ``recent_slots`` shared by its batch, fp rows ``[batch, heads, ROWS, D]``."""
+
+_PAGED = {
+    "$PARAMS_AT": "static_cast<int64_t>(sequence) * 7", "$RECENT_AT": "static_cast<int64_t>(sequence) * recent_slots_shape[1]",
+    "$RING": "recent_slots_shape[1]", "$KV_ROWS": "block.kv_head",
+    "$SLOT": "(static_cast<int64_t>(table[static_cast<int64_t>(sequence) * table_shape[1] + at / PAGE]) * PAGE + at % PAGE)",
+    "$FP_BASE": "(static_cast<int64_t>(sequence_rows[sequence]) * ROWS * kv_heads + kv_head) * D",
+    "$FP_STRIDE": "kv_heads * D",
+}
+"""Batched storage (``paged``): per sequence ``params`` ``[B, 7]`` and ``recent_slots`` ``[B, ring]``,
+codes in pages read through ``table``, fp rows ``[sequences * ROWS, heads, D]`` at ``sequence_rows``."""
+
+
+def fill(body: str, expressions: dict[str, str]) -> str:
+    """``body`` with its open expressions filled in."""
+    for name, expression in expressions.items():
+        body = body.replace(name, expression)
+    if "$" in body:
+        raise ValueError(f"an expression is left open: {body[body.index('$'):][:20]}")
+    return body
+
+
+_PARTIALS = Kernel(
+    name="butter_aura_decode_partials",
+    input_names=(
+        "queries", "signs", "key_codes", "key_scales", "value_codes", "value_scales",
+        "key_levels", "value_levels", "recent_slots", "params", "scale",
+    ),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=split_k.SPLIT_K_HELPERS + HELPERS,
+    body=fill(_PARTIALS_BODY, _DENSE),
+)
+
+_MERGE = Kernel(
+    name="butter_aura_decode_merge",
+    input_names=(
+        "partial_acc", "partial_max", "partial_sum", "queries", "signs",
+        "fp_keys", "fp_values", "recent_slots", "params", "scale",
+    ),
+    output_names=("out",),
+    helpers=split_k.MERGE_HELPERS + HELPERS,
+    body=fill(_MERGE_BODY, _DENSE),
+)
+
+_PAGED_PARTIALS = Kernel(
+    name="butter_aura_paged_decode_partials",
+    input_names=(
+        "queries", "signs", "key_codes", "key_scales", "value_codes", "value_scales",
+        "key_levels", "value_levels", "recent_slots", "params", "scale", "table",
+    ),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    helpers=split_k.SPLIT_K_HELPERS + HELPERS,
+    body="  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], key_codes_shape[1]);\n"
+    + fill(_PARTIALS_BODY, _PAGED),
+)
+
+_PAGED_MERGE = Kernel(
+    name="butter_aura_paged_decode_merge",
+    input_names=(
+        "partial_acc", "partial_max", "partial_sum", "queries", "signs",
+        "fp_keys", "fp_values", "recent_slots", "params", "scale", "sequence_rows",
+    ),
+    output_names=("out",),
+    helpers=split_k.MERGE_HELPERS + HELPERS,
+    body=fill(_MERGE_BODY, _PAGED),
 )
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -377,7 +438,6 @@ def decode_attention_live(
     (``live_params``) and the scale (float32, one element). The splits are planned for
     ``stored.length`` keys, which need not be the live length (``traced_decode_attention``
     plans for every allocated slot); nothing else of the call depends on the step."""
-    batch, q_heads, _, dims = queries.shape
     if method is None:
         method = ("mma" if gpu_backend() == "cuda" and tensor_cores_available() and attention_mma.serves(queries, stored)
                   else "simt")
@@ -393,20 +453,36 @@ def decode_attention_live(
         )
     else:
         raise ValueError(f"method is 'mma', 'simt' or None; got {method!r}")
-    split_k.check_merge(partial_max.shape[2], dims)
+    return _merge(_MERGE, [partial_acc, partial_max, partial_sum], queries, stored, params, scale_array, [],
+                  stored.fp_keys.shape[2])
+
+
+def _merge(kernel: Kernel, partials: list[mx.array], queries: mx.array, stored, params: mx.array, scale: mx.array,
+           extra: list[mx.array], rows: int) -> mx.array:
+    """Either merge kernel's launch (``stored``: a ``StoredLayer`` or a ``paged.PagedStored``)."""
+    batch, q_heads, _, dims = queries.shape
+    split_k.check_merge(partials[1].shape[2], dims)
     threads = split_k.MERGE_THREADS
-    (out,) = _MERGE(
-        inputs=[
-            partial_acc, partial_max, partial_sum, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values,
-            stored.recent_slots, params, scale_array,
-        ],
-        template=[("T", queries.dtype), ("F", stored.fp_keys.dtype), ("D", dims), ("ROWS", stored.fp_keys.shape[2])],
+    (out,) = kernel(
+        inputs=[*partials, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values, stored.recent_slots,
+                params, scale, *extra],
+        template=[("T", queries.dtype), ("F", stored.fp_keys.dtype), ("D", dims), ("ROWS", rows)],
         grid=(threads * batch * q_heads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
     )
     return out
+
+
+def paged_decode_attention_live(queries: mx.array, paged, params: mx.array, scale: mx.array) -> mx.array:
+    """One query token per sequence over batched storage (``paged.PagedStored``: each sequence's codes
+    read in place through its page table, its full-precision rows and recent ring its own), by the
+    SIMT partials kernel and the merge: ``decode_attention_live`` with ``params`` ``[B, 7]``, one row
+    per sequence (``paged.PagedStored.params``)."""
+    partials = _simt_partials(queries, paged, params, scale, kernel=_PAGED_PARTIALS, extra=[paged.table],
+                              template=[("PAGE", paged.page_size)])  # fmt: skip
+    return _merge(_PAGED_MERGE, partials, queries, paged, params, scale, [paged.sequence_rows], paged.budget.rows)
 
 
 def traced_decode_attention(queries: mx.array, stored: StoredLayer, scale: float) -> mx.array:
@@ -464,7 +540,12 @@ def _simt_partials(
     warps: int = WARPS,
     tile: int = TILE,
     splits: int | None = None,
+    kernel: Kernel = _PARTIALS,
+    extra: list[mx.array] | None = None,
+    template: list | None = None,
 ) -> list[mx.array]:
+    """The SIMT partials pass over ``stored`` (a ``StoredLayer``, or with the paged kernel and its
+    ``extra`` inputs and ``template`` values a ``paged.PagedStored``), split for ``stored.length``."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = stored.key_codes.shape[1]
     kc, vc = stored.key_codec, stored.value_codec
@@ -474,15 +555,16 @@ def _simt_partials(
                           warps=warps, max_heads=MAX_HEADS_PER_BLOCK, min_keys=MIN_KEYS_PER_SPLIT,
                           target_blocks=TARGET_BLOCKS)
     n_splits = launch.n_splits if splits is None else splits
-    return _PARTIALS(
+    return kernel(
         inputs=[
             queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
             stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, params, scale,
+            *(extra or []),
         ],
         template=[
             ("T", queries.dtype), ("S", stored.key_scales.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits),
             ("KG", kc.group), ("VG", vc.group), ("HEADS", launch.heads), ("LANES", lanes), ("WARPS", warps),
-            ("TILE", tile),
+            ("TILE", tile), *(template or []),
         ],
         grid=(launch.grid[0], n_splits, 1),
         threadgroup=launch.threadgroup,

@@ -8,13 +8,16 @@ the recent ring holds stale entries (slots past ``length``) and empty ones.
 
 from __future__ import annotations
 
-import mlx.core as mx
+from collections.abc import Sequence
 
-from butter_core.plugin_api import KernelCheck
+import mlx.core as mx
+import numpy as np
+
+from butter_core.plugin_api import KernelCheck, scattered_pages
 
 from butter_aura import reference
 from butter_aura.codec import SCALE_DTYPE, Codec
-from butter_aura.kernels import attention, dequantize, encode
+from butter_aura.kernels import attention, dequantize, encode, paged
 from butter_aura.layout import FullPrecisionBudget, full_precision_dtype
 from butter_aura.rotation import Rotation
 from butter_aura.stored import StoredLayer
@@ -42,6 +45,7 @@ def make_stored(
     recent_end: int | None = None,
     ring_start: int | None = None,
     encoded: bool = True,
+    rotation_seed: int | None = None,
 ) -> dict:
     """Queries and a ``StoredLayer`` of ``length`` live slots in buffers of ``allocated``.
 
@@ -52,11 +56,12 @@ def make_stored(
     slots are a window's ring (``length == allocated``, reused from ``ring_start`` on,
     ``FullPrecisionBudget.for_capacity``): each ring row holds the slot of the newest
     position it serves, the newest being at ``recent_end - 1``, as after the window
-    wrapped.
+    wrapped. ``rotation_seed`` (default ``seed``) seeds the rotation: layers that share one can be
+    stored together (``paged.make_paged_inputs``).
     """
     k_q, k_k, k_v, k_w1, k_w2, k_s = _keys(seed, 6)
     group = group or head_dim
-    rotation = Rotation(seed, kv_heads, head_dim)
+    rotation = Rotation(seed if rotation_seed is None else rotation_seed, kv_heads, head_dim)
     key_codec, value_codec = Codec(key_bits, group, head_dim), Codec(value_bits, group, head_dim)
     shape = (batch, kv_heads, allocated, head_dim)
     keys = mx.random.normal(shape, key=k_k).astype(dtype)
@@ -167,6 +172,45 @@ def reference_decode_attention(queries, stored, scale, splits=None) -> mx.array:
     return reference.decode_attention(queries, stored, scale)
 
 
+def make_paged_inputs(seed: int, *, lengths: Sequence[int] = (1, 40, 200), page_size: int = 16, **sizes) -> dict:
+    """Random ``paged.paged_decode_attention`` arguments: one ``make_stored`` layer per sequence (its
+    codes, full-precision rows and ring with a stale and an empty entry), its slots scattered over
+    pages of storage whose other slots hold random code words, and its full-precision rows put in a
+    shuffled sequence row of a pool with one row more than sequences. ``sizes`` go to ``make_stored``
+    (not ``ring_start``: batched windows are checked end to end, ``tests/test_batched.py``)."""
+    rng = np.random.default_rng(seed)
+    layers = [make_stored(seed + b, length=n, allocated=n, rotation_seed=seed, **sizes) for b, n in enumerate(lengths)]
+    table, live, total = scattered_pages(rng, lengths, page_size)
+    first = layers[0]["stored"]
+    heads, rows = first.key_codes.shape[1], first.fp_keys.shape[2]
+    storage = {}
+    for name in ("key_codes", "key_scales", "value_codes", "value_scales"):
+        like = getattr(first, name)
+        array = np.array(mx.random.randint(0, 2**31, (1, heads, total, like.shape[-1]), key=mx.random.key(seed)))
+        array = (array % 1024 / 1024 + 0.5).astype(np.float32) if name.endswith("scales") else array.astype(np.uint32)
+        for slots, layer in zip(live, layers):
+            array[0][:, slots] = np.array(getattr(layer["stored"], name).astype(mx.float32 if name.endswith("scales")
+                                                                                else mx.uint32))[0]  # fmt: skip
+        storage[name] = mx.array(array).astype(like.dtype)
+    sequence_rows = rng.permutation(len(lengths) + 1)[: len(lengths)]
+    fp = {}
+    for name in ("fp_keys", "fp_values"):
+        pool = mx.zeros(((len(lengths) + 1) * rows, heads, first.fp_keys.shape[3]), getattr(first, name).dtype)
+        for row, layer in zip(sequence_rows, layers):
+            pool[int(row) * rows : (int(row) + 1) * rows] = getattr(layer["stored"], name)[0].transpose(1, 0, 2)
+        fp[name] = pool
+    capacity = max(lengths)  # every sequence's slots lie below the budget's tail, as in batched storage
+    budget = FullPrecisionBudget(first.budget.sinks, first.budget.recent, first.budget.sinks, capacity, capacity)
+    stored = paged.PagedStored(
+        **storage, **fp, recent=[layer["stored"].recent_slots.tolist() for layer in layers],
+        sequence_rows=mx.array(sequence_rows.astype(np.int32)), table=mx.array(table), lengths=list(lengths),
+        page_size=page_size, budget=budget, key_codec=first.key_codec, value_codec=first.value_codec,
+        rotation=first.rotation,
+    )  # fmt: skip
+    queries = mx.concatenate([layer["queries"] for layer in layers], axis=0)
+    return {"queries": queries, "paged": stored, "scale": layers[0]["scale"]}
+
+
 ENCODE_RTOL = {mx.float32: 2e-3}
 """Codes are chosen by comparisons, so the kernel and the reference agree exactly except
 where a value lies within a rounding of a decision boundary or a least-squares scale
@@ -214,6 +258,19 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
             {"length": 48, "allocated": 48, "ring_start": 4, "recent_end": 10, "dtype": mx.float16},
             {"length": 120, "allocated": 120, "ring_start": 0, "recent_end": 119, "head_dim": 64, "key_bits": 8},
             {"length": 200, "allocated": 200, "ring_start": 10, "recent_end": 30, "head_dim": 64},
+        ),
+        rtol=ATTENTION_RTOL,
+    ),
+    KernelCheck(
+        name="paged_decode_attention",
+        kernel=paged.paged_decode_attention,
+        reference=paged.paged_decode_attention_reference,
+        make_inputs=make_paged_inputs,
+        cases=(
+            {},
+            {"lengths": (5,), "dtype": mx.float16, "head_dim": 64},
+            {"lengths": (300, 1, 64, 129), "page_size": 64, "q_heads": 16, "kv_heads": 4, "dtype": mx.float32},
+            {"lengths": (1200, 37), "page_size": 32, "q_heads": 32, "kv_heads": 8, "key_bits": 8, "value_bits": 4},
         ),
         rtol=ATTENTION_RTOL,
     ),

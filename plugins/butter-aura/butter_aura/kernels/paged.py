@@ -1,0 +1,110 @@
+"""AURA decode attention over batched storage: many sequences' codes in shared pages, each sequence's
+full-precision rows and recent ring its own (``butter_aura.sequences.FullPrecisionRows``).
+
+``paged_decode_attention`` runs ``attention``'s SIMT partials kernel and merge with each sequence's
+expressions (its ``params`` row, ring, page table and full-precision rows) in place of one cache's,
+so a batched decode step reads every sequence's codes where they lie: one partials launch and one
+merge per layer for all sequences. ``paged_decode_attention_reference`` computes the same one
+sequence at a time with ``reference.decode_attention`` over that sequence's pages, gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from butter_core.plugin_api import kernel_params, page_slots
+
+from butter_aura import reference
+from butter_aura.codec import Codec
+from butter_aura.kernels import attention
+from butter_aura.layout import FullPrecisionBudget
+from butter_aura.rotation import Rotation
+from butter_aura.stored import StoredLayer
+
+
+@attrs.frozen(eq=False)
+class PagedStored:
+    """What batched decode attention reads for ``B`` sequences: the pages' code and scale arrays
+    ``[1, kv_heads, slots, width]`` (sequence ``b``'s slot ``s`` in storage slot ``table[b, s //
+    page_size] * page_size + s % page_size``), the full-precision rows of every sequence slot
+    ``[sequence slots * budget.rows, kv_heads, head_dim]`` (sequence ``b``'s row ``r`` at
+    ``sequence_rows[b] * budget.rows + r``), each sequence's ring on the host (``recent``, ``[B][ring]``)
+    and its live slots (``lengths``)."""
+
+    key_codes: mx.array
+    key_scales: mx.array
+    value_codes: mx.array
+    value_scales: mx.array
+    fp_keys: mx.array
+    fp_values: mx.array
+    recent: Sequence[Sequence[int]]
+    sequence_rows: mx.array
+    table: mx.array
+    lengths: Sequence[int]
+    page_size: int
+    budget: FullPrecisionBudget
+    key_codec: Codec
+    value_codec: Codec
+    rotation: Rotation
+
+    @property
+    def length(self) -> int:
+        """The longest sequence's live slots: what the splits are planned for."""
+        return max(self.lengths)
+
+    @property
+    def recent_slots(self) -> mx.array:
+        """``recent`` as the kernels read it, ``[B, ring]`` int32."""
+        return mx.array(self.recent, dtype=mx.int32)
+
+    def params(self) -> mx.array:
+        """``attention.live_params`` per sequence, ``[B, 7]``: its live slots, the budget's sinks and
+        period, the smallest and largest slot its ring holds, the budget's base and tail."""
+        sinks, recent, base, tail = self.budget.params()
+        rows = []
+        for length, ring in zip(self.lengths, self.recent):
+            held = [slot for slot in ring if slot >= 0]
+            lo, hi = (min(held), max(held)) if held else (1, 0)
+            rows += [length, sinks, recent, lo, hi, base, tail]
+        return kernel_params(rows, mx.int32).reshape(len(self.lengths), 7)
+
+
+def paged_decode_attention(queries: mx.array, paged: PagedStored, scale: float) -> mx.array:
+    """One query token per sequence (``queries`` ``[B, q_heads, 1, head_dim]``) over its pages, on the
+    GPU; the queries' dtype."""
+    _check(queries, paged)
+    return attention.paged_decode_attention_live(queries, paged, paged.params(), kernel_params((scale,), mx.float32))
+
+
+def paged_decode_attention_reference(queries: mx.array, paged: PagedStored, scale: float) -> mx.array:
+    """The same, one sequence at a time: its pages gathered into a ``StoredLayer`` with its own
+    full-precision rows and ring, then ``reference.decode_attention``."""
+    _check(queries, paged)
+    rows = np.asarray(paged.sequence_rows).tolist()
+    out = []
+    for b, (length, ring) in enumerate(zip(paged.lengths, paged.recent)):
+        slots = page_slots(paged.table[b : b + 1], paged.page_size, length)[0]
+        fp = mx.arange(paged.budget.rows) + rows[b] * paged.budget.rows
+        stored = StoredLayer(
+            key_codes=paged.key_codes[:, :, slots], key_scales=paged.key_scales[:, :, slots],
+            value_codes=paged.value_codes[:, :, slots], value_scales=paged.value_scales[:, :, slots],
+            fp_keys=paged.fp_keys[fp].transpose(1, 0, 2)[None], fp_values=paged.fp_values[fp].transpose(1, 0, 2)[None],
+            recent_slots=mx.array(ring, dtype=mx.int32), length=length, budget=paged.budget,
+            key_codec=paged.key_codec, value_codec=paged.value_codec, rotation=paged.rotation,
+        )  # fmt: skip
+        out.append(reference.decode_attention(queries[b : b + 1], stored, scale))
+    return mx.concatenate(out, axis=0)
+
+
+def _check(queries: mx.array, paged: PagedStored) -> None:
+    batch = queries.shape[0]
+    if not (len(paged.lengths) == len(paged.recent) == paged.table.shape[0] == paged.sequence_rows.shape[0] == batch):
+        raise ValueError(f"{batch} queries need as many lengths, rings, page tables and sequence rows")
+    if paged.key_codes.shape[0] != 1 or min(paged.lengths) < 1:
+        raise ValueError("paged storage is [1, kv_heads, slots, width] and every sequence holds a slot")
+    if max(paged.lengths) > paged.table.shape[1] * paged.page_size:
+        raise ValueError(f"a length of {max(paged.lengths)} overruns the tables' {paged.table.shape[1]} pages")
