@@ -13,9 +13,10 @@
 Each ``step``: admit waiting sequences whose prompt and ``max_tokens`` fit the free pages (in
 the order they were added, while a sequence slot is free; a sequence's pages are all taken
 at admission, so a running sequence never runs out of room), decode one token for every running sequence in one forward
-(``[sequences, 1]``), then prefill the next chunk of the first admitted sequence still reading
-its prompt, together with the other such sequences whose next chunk is as long, within
-``prefill_chunk`` tokens in all (``[sequences, tokens]``: equal-length prompts prefill as one).
+(``[sequences, 1]``), then prefill the next chunks of the admitted sequences still reading their
+prompts, in admission order, as many as fit ``prefill_chunk`` tokens padded to the longest
+(``[sequences, tokens]``, each sequence taking its own count: ``BatchedStep``; with recurrent
+layers only chunks of one length share a forward).
 The tokens a step samples stay on the device: the next step feeds them and queues its own
 work before the host reads them (a decode step is host-bound on a GPU otherwise), so a
 sequence that reads a stop id has had one more token computed, never yielded. Each sequence has its own sampler, ``max_tokens`` and stop
@@ -139,11 +140,12 @@ class BatchGeneration:
         group = self._prefill_group()
         if group:
             requests = [self._running[i] for i in group]
-            tokens = min(self.prefill_chunk, requests[0].prompt.size - requests[0].fed)
-            ids = mx.stack([r.prompt[r.fed : r.fed + tokens] for r in requests])
-            logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests])
-            for row, (sequence_id, request) in enumerate(zip(group, requests)):
-                request.fed += tokens
+            counts = [self._chunk(r) for r in requests]
+            width = max(counts)
+            ids = mx.stack([mx.pad(r.prompt[r.fed : r.fed + n], (0, width - n)) for r, n in zip(requests, counts)])
+            logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests], counts)
+            for row, (sequence_id, request, count) in enumerate(zip(group, requests, counts)):
+                request.fed += count
                 if request.fed == request.prompt.size:
                     sampled.append((sequence_id, request.sampler(logits[row])))
             if len(sampled) == len(decoding):
@@ -163,16 +165,30 @@ class BatchGeneration:
                     self._emit(sequence_id, token, produced)
         return produced
 
+    def _chunk(self, request: _Request) -> int:
+        """The prompt tokens ``request`` prefills next: at most ``prefill_chunk``."""
+        return min(self.prefill_chunk, request.prompt.size - request.fed)
+
     def _prefill_group(self) -> list[int]:
-        """The sequences this step prefills together: the first admitted one still reading its
-        prompt, with every other whose next chunk is as long, within ``prefill_chunk`` tokens in all."""
+        """The sequences this step prefills together: admitted ones still reading their prompts, in
+        admission order, while their next chunks, each padded to the longest, hold ``prefill_chunk``
+        tokens in all (the first one always). Where a layer is recurrent, padding would step its
+        state, so only chunks as long as the first one's join it."""
         waiting = [(i, r) for i, r in self._running.items() if r.fed < r.prompt.size]
         if not waiting:
             return []
-        tokens = lambda r: min(self.prefill_chunk, r.prompt.size - r.fed)  # noqa: E731
-        size = tokens(waiting[0][1])
-        same = [i for i, r in waiting if tokens(r) == size]
-        return same[: max(1, self.prefill_chunk // size)]
+        if self.caches.has_state_pools:
+            size = self._chunk(waiting[0][1])
+            same = [i for i, r in waiting if self._chunk(r) == size]
+            return same[: max(1, self.prefill_chunk // size)]
+        group, width = [], 0
+        for sequence_id, request in waiting:
+            wider = max(width, self._chunk(request))
+            if group and wider * (len(group) + 1) > self.prefill_chunk:
+                break
+            group.append(sequence_id)
+            width = wider
+        return group
 
     def _admit(self) -> None:
         for sequence_id, request in list(self._waiting.items()):

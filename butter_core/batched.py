@@ -51,7 +51,7 @@ from butter_core.config import Window
 from butter_core.errors import ConfigError
 from butter_core.recurrent import StateCache, StateSpec
 from butter_core.sequence_state import SequenceState, Written
-from butter_core.slots import BufferedSlotCache, SlotBuffers
+from butter_core.slots import BufferedSlotCache, SlotBuffers, unstack
 
 DEFAULT_MAX_SEQUENCES = 64
 """Sequence slots of a model with recurrent layers when ``max_sequences`` is not given (at most
@@ -245,9 +245,16 @@ class BatchedCaches:
 
     # -- a forward ---------------------------------------------------------------
 
-    def step(self, handles: Sequence[SequenceHandle], tokens: int) -> BatchedStep:
-        """A forward of ``tokens`` new positions for each of ``handles`` (whose pages must hold them)."""
-        return BatchedStep(self, [self._get(h) for h in handles], handles, tokens)
+    def step(self, handles: Sequence[SequenceHandle], tokens: int, counts: Sequence[int] | None = None) -> BatchedStep:
+        """A forward of ``tokens`` new positions for each of ``handles`` (whose pages must hold them), or
+        of ``counts[b]`` for sequence ``b``, padded to ``tokens`` (``BatchedStep``)."""
+        return BatchedStep(self, [self._get(h) for h in handles], handles, tokens, counts)
+
+    @property
+    def has_state_pools(self) -> bool:
+        """Whether some layer is recurrent: its state would step through padding, so a step's sequences
+        must then all take ``tokens`` positions."""
+        return any(isinstance(storage, StatePool) for storage in self.storage)
 
     def views(self, step: BatchedStep) -> list[BatchedLayer | BatchedStateLayer]:
         """One view per layer for ``step``: what the model's layers take as caches."""
@@ -272,20 +279,35 @@ def live_mask(lengths: mx.array, length: int) -> mx.array:
 class BatchedStep:
     """A forward over some sequences, ``tokens`` new positions each, shared by every layer: the
     sequences' positions and rows, and, per window, where rows go and what each attends to
-    (``placement``)."""
+    (``placement``).
 
-    def __init__(self, caches: BatchedCaches, sequences: list[_Sequence], handles: Sequence[SequenceHandle], tokens: int):
+    With ``counts``, sequence ``b`` takes only its first ``counts[b]`` positions (prompts of
+    different lengths prefilled together): its rows past them are padding, never written, never
+    attended to by a real row (their keys lie after every real query), and its next-token logits
+    are those of row ``counts[b] - 1``. Not where a layer is recurrent (``has_state_pools``)."""
+
+    def __init__(self, caches: BatchedCaches, sequences: list[_Sequence], handles: Sequence[SequenceHandle], tokens: int,
+                 counts: Sequence[int] | None = None):  # fmt: skip
         if not sequences:
             raise ConfigError("a batched step needs at least one sequence")
         if len({h.slot for h in handles}) != len(handles):
             raise ConfigError("a batched step takes each sequence once")
+        counts = [tokens] * len(sequences) if counts is None else list(counts)
+        if len(counts) != len(sequences) or not all(0 < n <= tokens for n in counts):
+            raise ConfigError(f"counts must give each of the {len(sequences)} sequences 1..{tokens} positions; got {counts}")
+        if caches.has_state_pools and min(counts) < tokens:
+            raise ConfigError("a step over recurrent layers takes every sequence's tokens whole (counts == tokens): "
+                              "a recurrent state would step through the padding")  # fmt: skip
         starts = [s.length for s in sequences]
-        for handle, sequence, start in zip(handles, sequences, starts):
-            held, needed = len(sequence.pages) * caches.page_size, caches.slots_for(start + tokens)
+        for handle, sequence, start, count in zip(handles, sequences, starts, counts):
+            held, needed = len(sequence.pages) * caches.page_size, caches.slots_for(start + count)
             if needed > held:
                 raise OutOfPagesError(f"sequence slot {handle.slot} holds pages for {held} slots, not {needed}: "
                                       "reserve them first")  # fmt: skip
         self.caches, self.sequences, self.tokens, self.starts = caches, sequences, tokens, starts
+        self.counts = counts
+        """Each sequence's new positions (``tokens`` unless the step is ragged)."""
+        self.ragged = min(counts) < tokens
         self.positions = starts[0] if len(sequences) == 1 else mx.array(starts, dtype=mx.int32)
         self.slots = [h.slot for h in handles]
         """Each sequence's slot: its row in the recurrent layers' state pools and in ``SequenceState``s."""
@@ -302,8 +324,8 @@ class BatchedStep:
 
     def advance(self) -> None:
         """Count the step's positions as held (after its forward is built)."""
-        for sequence in self.sequences:
-            sequence.length += self.tokens
+        for sequence, count in zip(self.sequences, self.counts):
+            sequence.length += count
 
 
 class Placement:
@@ -319,7 +341,7 @@ class Placement:
     """
 
     def __init__(self, step: BatchedStep, window: Window | None, *, fresh: bool = False):
-        page, tokens, starts = step.caches.page_size, step.tokens, step.starts
+        page, tokens, starts, counts = step.caches.page_size, step.tokens, step.starts, step.counts
 
         def slot(p: int) -> int:
             return p if window is None else window.slot_of(p)
@@ -328,17 +350,21 @@ class Placement:
             return sequence.pages[s // page] * page + s % page
 
         cap = math.inf if window is None else window.max_size
-        self.wraps = tokens > 1 and any(start + tokens > cap for start in starts)
+        self.wrapping = [tokens > 1 and start + n > cap for start, n in zip(starts, counts)]
+        """Which sequences' chunks wrap their rings in this step."""
+        self.wraps = any(self.wrapping)
         self.fresh = fresh or self.wraps
         """Whether the chunk attends to the stored slots plus its own rows (read before the write)."""
-        kept = (range(start, start + tokens) if not self.wraps else window.survivors(start, start + tokens)
-                for start in starts)  # fmt: skip
+        kept = (range(start, start + n) if not self.wraps else window.survivors(start, start + n)
+                for start, n in zip(starts, counts))  # fmt: skip
         self.written = [Written(b, b * tokens + p - start, slot(p), p)
                         for b, (start, positions) in enumerate(zip(starts, kept)) for p in positions]  # fmt: skip
         """The rows this step writes, in position order per sequence (``SequenceState.write``)."""
         self.write_slots = mx.array([physical(step.sequences[w.sequence], w.slot) for w in self.written], dtype=mx.int32)
-        self.write_rows = mx.array([w.row for w in self.written], dtype=mx.int32) if self.wraps else None
-        live = [min(start if self.fresh else start + tokens, cap) for start in starts]
+        self.write_rows = (mx.array([w.row for w in self.written], dtype=mx.int32) if self.wraps or step.ragged
+                           else None)  # fmt: skip
+        """The rows of the step written (None: all), when some are not: a wrapping chunk's or padding."""
+        live = [min(start if self.fresh else start + n, cap) for start, n in zip(starts, counts)]
         self.length = max(max(live), 1)
         held = -(-self.length // page)
         self.table = mx.array([s.pages[:held] + [s.pages[0]] * (held - min(held, len(s.pages))) for s in step.sequences],
@@ -358,7 +384,7 @@ class Placement:
             keys = mx.concatenate([mx.array(held_positions, dtype=mx.int32), queries], axis=1)[:, None]  # [B, 1, S+T]
             visible = keys <= queries[:, :, None] if window is None else window.visible(keys, queries[:, :, None])
             self.mask = visible[:, None]
-        elif len(starts) == 1:
+        elif len(starts) == 1 and not step.ragged:
             self.mask = "causal" if tokens > 1 else None
         else:
             key_slots = mx.arange(self.length, dtype=mx.int32)[None, None]
@@ -395,8 +421,9 @@ class BatchedLayer(StepView):
             if not place.wraps:
                 self._write(place, keys, values)
             stored_keys, stored_values = self._stored(place)
-            out = attend(queries, mx.concatenate([stored_keys, keys.astype(stored_keys.dtype)], axis=2),
-                         mx.concatenate([stored_values, values.astype(stored_values.dtype)], axis=2),
+            chunk_keys, chunk_values = self._chunk_rows(place, keys, values)
+            out = attend(queries, mx.concatenate([stored_keys, chunk_keys.astype(stored_keys.dtype)], axis=2),
+                         mx.concatenate([stored_values, chunk_values.astype(stored_values.dtype)], axis=2),
                          scale=scale, mask=place.mask)  # fmt: skip
             if place.wraps:
                 self._write(place, keys, values)
@@ -411,6 +438,18 @@ class BatchedLayer(StepView):
                 return out.astype(queries.dtype)
         stored_keys, stored_values = self._stored(place)
         return attend(queries, stored_keys, stored_values, scale=scale, mask=place.mask)
+
+    def _chunk_rows(self, place: Placement, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The chunk's own rows as a fresh placement attends to them: as they came where the chunk wraps
+        its sequence's ring or the layer has a sequence state (as a single cache attends), else as
+        written and read back (``decode(encode(...))``), as a single cache that wrote them first reads."""
+        if self.caches.states[self.index] is not None or all(place.wrapping):
+            return keys, values
+        prototype = self.caches.prototypes[self.index]
+        coded_keys, coded_values = prototype.decode(unstack(prototype.encode(keys, values), prototype.slots.stacks))
+        wrapping = mx.array(place.wrapping)[:, None, None, None]
+        return (mx.where(wrapping, keys.astype(coded_keys.dtype), coded_keys),
+                mx.where(wrapping, values.astype(coded_values.dtype), coded_values))  # fmt: skip
 
     def _write(self, place: Placement, keys: mx.array, values: mx.array) -> None:
         """Encode and scatter the step's rows into the pages (and tell the sequence state)."""

@@ -128,14 +128,20 @@ class Engine:
         return BatchedCaches(specs, prototypes, capacity_tokens=capacity_tokens, page_size=page_size,
                              max_sequences=max_sequences, windows=windows)  # fmt: skip
 
-    def run_batched(self, ids: mx.array, caches: BatchedCaches, handles: Sequence[SequenceHandle]) -> mx.array:
+    def run_batched(self, ids: mx.array, caches: BatchedCaches, handles: Sequence[SequenceHandle],
+                    counts: Sequence[int] | None = None) -> mx.array:  # fmt: skip
         """Append ``ids`` (``[sequences, tokens]``, token ids checked or sampled) to the sequences
         ``handles`` of ``caches`` and return each one's next-token logits ``[sequences, vocab]``
-        (lazy). Each sequence's pages must hold the new positions (``caches.reserve``)."""
-        step = caches.step(handles, ids.shape[1])
+        (lazy). With ``counts``, sequence ``b`` takes only ``ids[b, :counts[b]]`` (the rest is padding;
+        attention layers only: ``BatchedStep``). Each sequence's pages must hold the new positions
+        (``caches.reserve``)."""
+        step = caches.step(handles, ids.shape[1], counts)
         hidden = self.network.hidden_states(ids, caches.views(step))
         step.advance()
-        return self.network.logits(hidden[:, -1])
+        if not step.ragged:
+            return self.network.logits(hidden[:, -1])
+        last = mx.array([n - 1 for n in step.counts], dtype=mx.int32)
+        return self.network.logits(hidden[mx.arange(len(step.counts)), last])
 
     def forward(
         self,

@@ -135,6 +135,47 @@ def test_long_prompts_prefilled_in_chunks_give_each_sequence_its_own_tokens(mode
     assert [got[i] for i in ids] == alone
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("window", [None, Window(16, keep=4)], ids=["no-window", "window"])
+def test_prompts_of_different_lengths_prefill_in_one_forward(model_dir, scheme, window):
+    """Short prompts of different lengths share one padded prefill forward (each row its own count;
+    under a window of 16 the longer ones wrap their rings in it), and each sequence's tokens are
+    those it generates alone: the padding is never written nor attended to."""
+    kind, _ = example_kind(scheme, 32)
+    model = Model.load(str(model_dir), LoadOptions(kv_cache=kind, kv_eviction=window))
+    prompts = [model.encode_prompt(text) for text in PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts) and max(map(len, prompts)) * len(prompts) <= 192
+    alone = [_single(model, p, 10) for p in prompts]
+    batch = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=512, page_size=8), prefill_chunk=192)
+    ids = [batch.add(p, max_tokens=10, stop_ids=()) for p in prompts]
+    assert batch.step() == []  # one forward prefills all four (their first tokens are read a step later)
+    assert sorted(i for i, _ in batch.step()) == ids
+    got: dict[int, list[int]] = {}
+    for sequence_id, token in batch:
+        got.setdefault(sequence_id, []).append(token)
+    assert [len(got[i]) for i in ids] == [9] * 4  # and the first token each, read above
+    assert [alone[k][1:] for k in range(4)] == [got[i] for i in ids]
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_ragged_step_gives_each_row_its_own_last_logits(model_dir):
+    model = _model(str(model_dir), "raw")
+    prompts = [model.encode_prompt(text) for text in PROMPTS[:3]]
+    caches = model.engine.make_batched_caches(capacity_tokens=256, page_size=8)
+    handles = [caches.open() for _ in prompts]
+    for handle, prompt in zip(handles, prompts):
+        caches.reserve(handle, len(prompt))
+    width = max(map(len, prompts))
+    ids = mx.array([p + [0] * (width - len(p)) for p in prompts], dtype=mx.uint32)
+    logits = model.engine.run_batched(ids, caches, handles, counts=[len(p) for p in prompts])
+    for row, prompt in enumerate(prompts):
+        alone = model.engine.forward(prompt, model.engine.make_layer_caches())
+        assert (mx.abs(logits[row] - alone).max() / mx.abs(alone).max()).item() < 1e-5
+        assert caches.length(handles[row]) == len(prompt)
+    with pytest.raises(ConfigError, match=r"counts must give each of the 3 sequences 1\.\.2 positions"):
+        model.engine.run_batched(mx.zeros((3, 2), dtype=mx.uint32), caches, handles, counts=[1, 3, 1])
+
+
 @pytest.mark.usefixtures("raw_scheme")
 def test_a_sequence_waits_for_pages_and_a_stop_id_ends_it(model_dir):
     model = _model(str(model_dir), "raw")
