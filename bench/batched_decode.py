@@ -11,13 +11,13 @@ all B decode together); time to all first tokens is reported too, and the peak m
 Model (``--model``): the default, butter's conversion of the built-in GGUF (Qwen2-shaped
 SmolLM2-135M); butter runs it as ``Model.load`` does on this device (float32 weights on the
 CPU), mlx-lm the same weights dequantized in float32 (``set_dtype``, then ``dequantize_model``).
-butter: ``make_batched_caches(capacity_tokens=B * (prompt + decode + page))``, kv cache
+butter: ``make_batched_caches(capacity_tokens=B * (prompt + decode + page))`` (or ``--capacity-tokens``), kv cache
 ``--kv-cache``. mlx-lm 0.32.2: ``BatchGenerator(completion_batch_size=B,
 prefill_batch_size=min(B, 8))``, its defaults otherwise. Engines alternate within each
 repetition; medians over ``--reps``.
 
 Usage: python bench/batched_decode.py [--batch 1 8] [--prompt-tokens 128] [--decode-tokens 64]
-       [--reps 3] [--kv-cache raw] [--json PATH]
+       [--reps 3] [--kv-cache raw] [--capacity-tokens N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def steady_rate(arrivals: list[tuple[int, float]], count: int) -> tuple[float, f
     return start, (len(later) / (later[-1] - start) if later else float("nan"))
 
 
-def run_butter(batch: int, prompt_tokens: int, decode: int, kv_cache: str) -> dict:
+def run_butter(batch: int, prompt_tokens: int, decode: int, kv_cache: str, capacity: int) -> dict:
     import mlx.core as mx
 
     from butter_core import LoadOptions, parse_kv_cache
@@ -58,7 +58,7 @@ def run_butter(batch: int, prompt_tokens: int, decode: int, kv_cache: str) -> di
 
     model = Model.load(None, LoadOptions(kv_cache=parse_kv_cache(kv_cache)))
     seqs = prompts(model.tokenizer.encode, batch, prompt_tokens)
-    capacity = batch * (prompt_tokens + decode + 64)
+    capacity = capacity or batch * (prompt_tokens + decode + 64)
     warm = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=capacity))
     for ids in seqs:
         warm.add(ids, max_tokens=4, stop_ids=())
@@ -76,7 +76,7 @@ def run_butter(batch: int, prompt_tokens: int, decode: int, kv_cache: str) -> di
     return {"arrivals": arrivals, "tokens": [tokens[i] for i in sorted(tokens)], "peak": mx.get_peak_memory()}
 
 
-def run_mlx_lm(batch: int, prompt_tokens: int, decode: int, kv_cache: str) -> dict:
+def run_mlx_lm(batch: int, prompt_tokens: int, decode: int, kv_cache: str, capacity: int) -> dict:
     import butter_core  # noqa: F401 - the same OpenBLAS preload as butter's run
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
@@ -116,9 +116,9 @@ def main() -> None:
     import butter_core  # noqa: F401 - first: its OpenBLAS preload must precede mlx.core
 
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        engine, batch, prompt_tokens, decode, kv_cache = sys.argv[2:7]
+        engine, batch, prompt_tokens, decode, kv_cache, capacity = sys.argv[2:8]
         run = run_butter if engine == "butter" else run_mlx_lm
-        print("@@" + json.dumps(run(int(batch), int(prompt_tokens), int(decode), kv_cache)), flush=True)
+        print("@@" + json.dumps(run(int(batch), int(prompt_tokens), int(decode), kv_cache, int(capacity))), flush=True)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--kv-cache", default="raw")
+    parser.add_argument("--capacity-tokens", type=int, default=0,
+                        help="butter's batched caches (default: B * (prompt + decode + 64), what the run needs)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     rows = []
@@ -134,7 +136,7 @@ def main() -> None:
         for rep in range(args.reps):
             for engine in (["butter", "mlx-lm"] if rep % 2 == 0 else ["mlx-lm", "butter"]):
                 command = [sys.executable, __file__, "--worker", engine, str(batch), str(args.prompt_tokens),
-                           str(args.decode_tokens), args.kv_cache]  # fmt: skip
+                           str(args.decode_tokens), args.kv_cache, str(args.capacity_tokens)]  # fmt: skip
                 done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
                 answer = [line for line in done.stdout.splitlines() if line.startswith("@@")]
                 if done.returncode or not answer:

@@ -217,10 +217,12 @@ class BatchedCaches:
         """Bytes of the pages of every attention layer (allocated whole at creation) and of what their
         schemes keep per sequence beside them (``SequenceState``, ``max_sequences`` rows each)."""
         pages = sum(a.nbytes for s in self.storage if isinstance(s, SlotBuffers) for a in s.read(stacked=True).values())
-        return pages + self._sequence_state_bytes
+        return pages + self.sequence_state_bytes
 
     @property
-    def _sequence_state_bytes(self) -> int:
+    def sequence_state_bytes(self) -> int:
+        """Bytes of what the attention schemes keep per sequence beside the pages (``SequenceState``,
+        ``max_sequences`` rows each)."""
         return sum(a.nbytes for state in self.states.values() if state is not None for a in state.arrays())
 
     @property
@@ -241,7 +243,7 @@ class BatchedCaches:
         lengths = [s.length for s in self._sequences if s.live]
         pages = sum(p.bytes_per_slot * sum(n if w is None else min(n, w.max_size) for n in lengths)
                     for p, w in zip(self.prototypes, self.windows) if isinstance(p, BufferedSlotCache))  # fmt: skip
-        return pages + self._sequence_state_bytes * len(lengths) // self.max_sequences
+        return pages + self.sequence_state_bytes * len(lengths) // self.max_sequences
 
     # -- a forward ---------------------------------------------------------------
 

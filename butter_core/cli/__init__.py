@@ -12,10 +12,10 @@ import os
 import sys
 import warnings
 
-from butter_core.cli import bench_cmd, generate_cmd, inspect_cmd, plugins_cmd, quality_cmd
+from butter_core.cli import bench_cmd, generate_cmd, inspect_cmd, plugins_cmd, quality_cmd, serve_cmd
 from butter_core.errors import ButterError, ButterWarning
 
-COMMANDS = [generate_cmd, inspect_cmd, plugins_cmd, bench_cmd, quality_cmd]
+COMMANDS = [generate_cmd, serve_cmd, inspect_cmd, plugins_cmd, bench_cmd, quality_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

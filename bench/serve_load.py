@@ -1,0 +1,168 @@
+"""Load test of an OpenAI-compatible server: many concurrent streaming clients, some leaving early.
+
+For each engine (``--engines``: ``butter`` runs ``butter serve``, ``mlx-lm`` runs ``python -m
+mlx_lm server``), a fresh server process on loopback serves the same model directory
+(``--model``; default: butter's conversion of the built-in GGUF, an MLX-quantized folder both
+engines load; ``--model`` another, e.g. a float32 one both run dense). ``--clients`` chat requests
+are sent at once, each asking a different question for ``--max-tokens`` greedy tokens, streamed
+(a request's ``model`` is the folder's path, which mlx-lm's server needs and butter's ignores); ``--disconnect`` of them (chosen at random) close
+their stream after a random number of tokens. Reported per engine: requests per second
+(completed streams over the wall time of the whole run), time to first token p50/p99,
+aggregate streamed tokens per second, peak resident memory of the server process, and errors.
+For butter, ``/health`` must show nothing reserved after the run (no leaked pages).
+
+Usage::
+
+    python bench/serve_load.py [--engines butter,mlx-lm] [--clients 64] [--disconnect 0.25]
+        [--max-tokens 64] [--max-sessions 16] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from openai import AsyncOpenAI
+
+TOPICS = ["the sea", "a fox", "Paris", "rain", "bread", "a clock", "mountains", "music", "a library", "winter",
+          "the moon", "a garden", "trains", "coffee", "a river", "chess"]  # fmt: skip
+
+
+def default_model() -> str:
+    from butter_core.default_model import default_model_dir
+
+    return str(default_model_dir())
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start(engine: str, model: str, port: int, max_sessions: int) -> subprocess.Popen:
+    if engine == "butter":
+        argv = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "serve",
+                "-m", model, "--port", str(port), "--max-sessions", str(max_sessions), "--max-queue", "256",
+                "--kv-memory", str(2 * 2**30)]  # fmt: skip
+    else:
+        argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+            return process
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{engine} server did not start: {process.stderr.read()}") from None
+            time.sleep(0.2)
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def one_client(client: AsyncOpenAI, model: str, index: int, leave_after: int | None, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    first, pieces, error, finish = None, 0, None, None
+    try:
+        stream = await client.chat.completions.create(
+            model=model, stream=True, max_tokens=max_tokens, temperature=0,
+            messages=[{"role": "user", "content": f"Write a short poem about {TOPICS[index % len(TOPICS)]}."}],
+        )  # fmt: skip
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            if chunk.choices[0].delta.content:
+                pieces += 1
+                first = first or time.perf_counter() - start
+                if leave_after is not None and pieces >= leave_after:
+                    await stream.close()
+                    break
+            finish = chunk.choices[0].finish_reason or finish
+    except Exception as exc:  # noqa: BLE001 - counted, reported
+        error = f"{type(exc).__name__}: {exc}"
+    return {"first": first, "pieces": pieces, "left": leave_after is not None, "finish": finish, "error": error,
+            "seconds": time.perf_counter() - start}  # fmt: skip
+
+
+async def load(port: int, model: str, clients: int, disconnect: float, max_tokens: int, seed: int) -> tuple[list[dict], float]:
+    rng = random.Random(seed)
+    leave = [rng.randint(1, max_tokens // 2) if rng.random() < disconnect else None for _ in range(clients)]
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=5, timeout=600)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one_client(client, model, i, leave[i], max_tokens) for i in range(clients)))
+    await client.close()
+    return results, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default="butter,mlx-lm")
+    parser.add_argument("--model")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--disconnect", type=float, default=0.25)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-sessions", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    model = args.model or default_model()
+    rows = []
+    for engine in args.engines.split(","):
+        port = free_port()
+        process = start(engine, model, port, args.max_sessions)
+        try:
+            results, seconds = asyncio.run(load(port, model, args.clients, args.disconnect, args.max_tokens, args.seed))
+            leaked = None
+            if engine == "butter":
+                health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())
+                time.sleep(0.5)  # the last cancellations reach the scheduler
+                health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())
+                leaked = health["pages_reserved"] + health["running"] + health["waiting"]
+            rss = peak_rss(process.pid)
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        done = [r for r in results if not r["left"] and r["error"] is None]
+        firsts = [r["first"] for r in results if r["first"] is not None]
+        rows.append({
+            "engine": engine, "clients": args.clients, "left early": sum(r["left"] for r in results),
+            "completed": len(done), "errors": sum(r["error"] is not None for r in results),
+            "requests/s": len(done) / seconds, "ttft p50 s": percentile(firsts, 0.5),
+            "ttft p99 s": percentile(firsts, 0.99),
+            "streamed tokens/s": sum(r["pieces"] for r in results) / seconds,
+            "peak RSS GiB": rss / 2**30, "leaked (pages + requests)": leaked, "wall s": seconds,
+            "first error": next((r["error"] for r in results if r["error"]), None),
+        })  # fmt: skip
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    print(f"model {model}; {os.cpu_count()} CPUs; max_tokens {args.max_tokens}; disconnect {args.disconnect}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""``Scheduler``: one model serving many requests, continuously batched on a thread of its own.
+
+The server's request handlers run on an event loop; MLX work runs on the scheduler's thread,
+which owns the model's batched caches and one ``BatchGeneration``. Handlers ``submit`` requests
+and read each one's ``Ticket`` (an asyncio queue of tokens and a final event); ``cancel`` ends a
+request at any stage (queued, prefilling, decoding) and releases what it holds.
+
+Three limits, checked in this order:
+
+- *Session pool*: at most ``max_sessions`` requests hold a sequence at once (the caches' sequence
+  slots); the others wait in FIFO order (``BatchGeneration`` admits in the order requests were
+  added and never passes one that does not fit).
+- *Bounded queue*: at most ``max_sessions + max_queue`` requests are in the scheduler; ``submit``
+  refuses one more at once (``QueueFull``: the server answers 429 with ``Retry-After``).
+- *Demand admission*: a request is admitted only when the free pages hold its prompt plus
+  ``max_tokens`` (its liability, reserved whole at admission, in the scheme's own bytes per
+  position); a request that could never fit is refused at ``submit`` (``ConfigError``). The
+  pages a request holds are released when it ends, however it ends; ``ledger`` reports what is
+  reserved, so a test can check that nothing leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import traceback
+from collections.abc import Collection
+
+import attrs
+import mlx.core as mx
+
+from butter_core.batch_generation import BatchGeneration
+from butter_core.batched import BatchedCaches
+from butter_core.errors import ButterError, ConfigError
+from butter_core.model import Model
+from butter_core.sampling import Sampler
+
+
+class QueueFull(ButterError):
+    """Every session is busy and the waiting queue is full: try again later."""
+
+
+@attrs.frozen
+class Token:
+    """One generated token of a request."""
+
+    token_id: int
+
+
+@attrs.frozen
+class Finished:
+    """A request's end: ``reason`` is "stop", "length" or "cancelled"; ``error`` the message when the
+    engine failed while it ran (its reason is then "error")."""
+
+    reason: str
+    error: str | None = None
+
+
+@attrs.frozen
+class Ledger:
+    """What the scheduler holds now: requests waiting and running, pages reserved of all pages, and
+    the bytes those pages take."""
+
+    waiting: int
+    running: int
+    pages_reserved: int
+    pages: int
+    bytes_reserved: int
+    bytes_total: int
+
+
+class Ticket:
+    """A submitted request: iterate ``events()`` on the event loop that submitted it for ``Token``s,
+    then one ``Finished``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt_tokens: int):
+        self._loop = loop
+        self._queue: asyncio.Queue[Token | Finished] = asyncio.Queue()
+        self.prompt_tokens = prompt_tokens
+        self.sequence_id: int | None = None
+        self.finished: Finished | None = None
+
+    def _put(self, event: Token | Finished) -> None:
+        """Called on the scheduler's thread."""
+        if isinstance(event, Finished):
+            self.finished = event
+        with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody reads it any more
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def events(self):
+        while True:
+            event = await self._queue.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+@attrs.define
+class _Submission:
+    ticket: Ticket
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop_ids: Collection[int] | None
+
+
+class Scheduler:
+    """Serves ``model`` from batched caches of ``capacity_tokens`` positions and ``max_sessions``
+    sequence slots; ``start`` runs its thread, ``close`` stops it (ending every request)."""
+
+    def __init__(self, model: Model, *, capacity_tokens: int, max_sessions: int = 8, max_queue: int = 64,
+                 prefill_chunk: int | None = None):  # fmt: skip
+        self.model = model
+        self.max_sessions, self.max_queue = max_sessions, max_queue
+        self.caches: BatchedCaches = model.engine.make_batched_caches(capacity_tokens, max_sequences=max_sessions)
+        self._prefill_chunk = prefill_chunk
+        self._batch = self._new_batch()
+        self._lock = threading.Condition()
+        self._incoming: list[_Submission] = []
+        self._cancels: list[Ticket] = []
+        self._tickets: dict[int, Ticket] = {}
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=_serve_then_park, args=(self,), name="butter-scheduler", daemon=True)
+
+    def _new_batch(self) -> BatchGeneration:
+        return self.model.generate_batch(self.caches, prefill_chunk=self._prefill_chunk)
+
+    # -- the handlers' side (any thread) -------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """End every request and stop stepping (the thread parks: ``_serve_then_park``)."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._stopped.wait()
+
+    def submit(self, prompt: list[int], *, max_tokens: int, sampler: Sampler,
+               stop_ids: Collection[int] | None = None) -> Ticket:  # fmt: skip
+        """Queue a request (on the running event loop); raises ``QueueFull`` when ``max_queue``
+        requests wait already, ``ConfigError`` when it could never fit the caches."""
+        needed = self.caches.pages_for(len(prompt) + max_tokens)
+        if needed > self.caches.num_pages:
+            raise ConfigError(
+                f"the prompt's {len(prompt)} tokens and max_tokens {max_tokens} need {needed} pages of "
+                f"{self.caches.page_size} positions; the server's caches hold {self.caches.num_pages}"
+            )
+        ticket = Ticket(asyncio.get_running_loop(), len(prompt))
+        with self._lock:
+            if len(self._incoming) + self._batch.active >= self.max_sessions + self.max_queue:
+                raise QueueFull(f"{self.max_sessions} sessions are busy and {self.max_queue} requests wait")
+            self._incoming.append(_Submission(ticket, prompt, max_tokens, sampler, stop_ids))
+            self._lock.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """End ``ticket``'s request wherever it is; nothing happens if it has ended."""
+        with self._lock:
+            if ticket.finished is None:
+                self._cancels.append(ticket)
+                self._lock.notify()
+
+    def ledger(self) -> Ledger:
+        with self._lock:
+            waiting = self._waiting_now()
+            running = self._batch.running
+        free = self.caches.free_pages
+        per_page = self.caches.nbytes_allocated // self.caches.num_pages
+        reserved = self.caches.num_pages - free
+        return Ledger(waiting, running, reserved, self.caches.num_pages, reserved * per_page, self.caches.nbytes_allocated)
+
+    def _waiting_now(self) -> int:
+        return len(self._incoming) + self._batch.active - self._batch.running
+
+    # -- the scheduler's thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._incoming or self._cancels or self._batch.active or self._stopping):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                incoming, self._incoming = self._incoming, []
+                cancels, self._cancels = self._cancels, []
+            for submission in incoming:
+                self._add(submission)
+            for ticket in cancels:
+                if ticket.sequence_id is not None and ticket.finished is None:
+                    self._batch.cancel(ticket.sequence_id)
+                    self._finish(ticket.sequence_id)
+            if self._batch.active:
+                self._step()
+        for sequence_id in list(self._tickets):
+            self._batch.cancel(sequence_id)
+            self._finish(sequence_id)
+        mx.synchronize()
+
+    def _add(self, submission: _Submission) -> None:
+        try:
+            sequence_id = self._batch.add(submission.prompt, max_tokens=submission.max_tokens,
+                                          sampler=submission.sampler, stop_ids=submission.stop_ids)  # fmt: skip
+        except ButterError as exc:
+            submission.ticket._put(Finished("error", str(exc)))
+            return
+        submission.ticket.sequence_id = sequence_id
+        self._tickets[sequence_id] = submission.ticket
+
+    def _step(self) -> None:
+        try:
+            produced = self._batch.step()
+        except Exception as exc:  # noqa: BLE001 - the engine failed: end every request, keep serving
+            message = f"{type(exc).__name__}: {exc}"
+            for ticket in self._tickets.values():
+                ticket._put(Finished("error", message))
+            self._tickets.clear()
+            self.caches = self.model.engine.make_batched_caches(self.caches.capacity_tokens,
+                                                                max_sequences=self.max_sessions)  # fmt: skip
+            self._batch = self._new_batch()
+            mx.clear_cache()
+            return
+        for sequence_id, token_id in produced:
+            self._tickets[sequence_id]._put(Token(token_id))
+        for sequence_id in [i for i in self._tickets if i in self._batch.finish_reasons]:
+            self._finish(sequence_id)
+
+    def _finish(self, sequence_id: int) -> None:
+        ticket = self._tickets.pop(sequence_id, None)
+        if ticket is not None:
+            ticket._put(Finished(self._batch.finish_reasons.get(sequence_id, "cancelled")))
+
+
+_PARKED = threading.Event()
+"""Never set: where stopped scheduler threads wait until the process exits."""
+
+
+def _serve_then_park(scheduler: Scheduler) -> None:
+    """A scheduler thread's life: serve until closed, then wait, never returning. MLX keeps its
+    compile cache per thread, and a thread that returns destroys it, which takes the GIL; while the
+    interpreter finalizes (the process exiting just after ``close``) taking it ends the thread from
+    inside that C++ destructor and aborts the process ("terminate called without an active
+    exception"). A daemon thread that never returns is simply stopped at exit."""
+    try:
+        scheduler._run()
+    except BaseException:  # noqa: BLE001 - a bug in the loop: say so, and let close() return
+        traceback.print_exc()
+    finally:
+        scheduler._stopped.set()
+    del scheduler  # the parked thread holds nothing
+    _PARKED.wait()
