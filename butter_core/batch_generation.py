@@ -85,20 +85,30 @@ class BatchGeneration:
         self, prompt_ids: TokenIds, *, max_tokens: int = 256, sampler: Sampler | None = None,
         stop_ids: Collection[int] | None = None,
     ) -> int:  # fmt: skip
-        """Queue a sequence; it joins at the next step its pages are free. Returns its id."""
+        """Queue a sequence; it joins at the next step its pages are free. Returns its id. Refused
+        (``ContextLengthError``) where the prompt and ``max_tokens`` pass the context a single
+        sequence may hold, as ``Model.generate`` refuses them, or (``ConfigError``) the caches' pages."""
         check_request(prompt_ids, max_tokens)
         prompt = self.engine.token_ids(prompt_ids)
-        needed = self.caches.pages_for(prompt.size + max_tokens)
-        if needed > self.caches.num_pages:
-            raise ConfigError(
-                f"the prompt's {prompt.size} tokens and max_tokens {max_tokens} need {needed} pages; the batched "
-                f"caches hold {self.caches.num_pages} (capacity_tokens {self.caches.capacity_tokens})"
-            )
+        self.check_fits(prompt.size, max_tokens)
         sequence_id, self._next_id = self._next_id, self._next_id + 1
         self._waiting[sequence_id] = _Request(
             prompt, max_tokens, sampler or GREEDY, self.stop_ids if stop_ids is None else frozenset(stop_ids)
         )
         return sequence_id
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``ContextLengthError`` where ``prompt_tokens + max_tokens`` pass the context one
+        sequence may hold (``BatchedCaches.max_positions``, what ``Model.generate`` refuses too), or
+        ``ConfigError`` where they need more pages than the caches have."""
+        what = f"the prompt's {prompt_tokens} tokens and max_tokens {max_tokens}"
+        limit = self.caches.max_positions
+        if limit is not None and prompt_tokens + max_tokens > limit:
+            raise self.engine.context_error(prompt_tokens + max_tokens, limit, what)
+        needed = self.caches.pages_for(prompt_tokens + max_tokens)
+        if needed > self.caches.num_pages:
+            raise ConfigError(f"{what} need {needed} pages; the batched caches hold {self.caches.num_pages} "
+                              f"(capacity_tokens {self.caches.capacity_tokens})")  # fmt: skip
 
     def cancel(self, sequence_id: int) -> None:
         """End a waiting or running sequence now (its pages are released)."""

@@ -253,6 +253,15 @@ class BatchedCaches:
         return BatchedStep(self, [self._get(h) for h in handles], handles, tokens, counts)
 
     @property
+    def max_positions(self) -> int | None:
+        """Positions one sequence may hold: the least of the attention layers' own capacity (the
+        context a single cache holds) where no window bounds them; None where every layer is bounded
+        or recurrent."""
+        limits = [p.capacity for p, w in zip(self.prototypes, self.windows)
+                  if isinstance(p, BufferedSlotCache) and w is None and p.capacity is not None]  # fmt: skip
+        return min(limits, default=None)
+
+    @property
     def has_state_pools(self) -> bool:
         """Whether some layer is recurrent: its state would step through padding, so a step's sequences
         must then all take ``tokens`` positions."""

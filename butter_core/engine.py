@@ -262,7 +262,10 @@ class Engine:
             for cache in caches:
                 cache.reserve(held + tokens)
             return
-        capacity = min(limits)
+        raise self.context_error(held + tokens, min(limits), what, held)
+
+    def context_error(self, needed: int, capacity: int, what: str, held: int = 0) -> ContextLengthError:
+        """The error for ``what`` needing ``needed`` positions where a cache holds ``capacity``."""
         cap = self.options.max_context_length
         source = (
             f"--max-context {cap} (max_context_length)"
@@ -270,8 +273,8 @@ class Engine:
             else f"the model's max_position_embeddings, {self.network.args.max_position_embeddings}"
         )
         already = f" after the {held} positions the caches already hold" if held else ""
-        raise ContextLengthError(
-            f"{what} need {held + tokens} positions{already}, but the KV cache holds {capacity} ({source}): "
+        return ContextLengthError(
+            f"{what} need {needed} positions{already}, but the KV cache holds {capacity} ({source}): "
             "shorten the prompt, lower --max-tokens, raise --max-context, or evict old positions with "
             "--kv-window-size"
         )

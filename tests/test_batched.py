@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from butter_core import ConfigError, LoadOptions, Window
 from butter_core.batched import OutOfPagesError, StaleSequenceError
 from butter_core.cache import ATTENTION
+from butter_core.engine import ContextLengthError
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 from butter_core.testing.fixtures import example_kind
@@ -258,6 +259,10 @@ def test_what_batched_caches_do_not_take_yet_is_refused_clearly(model_dir):
     batch = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=64, page_size=8))
     with pytest.raises(ConfigError, match=r"need 9 pages; the batched caches hold 8 \(capacity_tokens 64\)"):
         batch.add([1, 2, 3], max_tokens=66)
+    batch = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=4096, page_size=8))
+    with pytest.raises(ContextLengthError, match=r"max_tokens 600 need 603 positions, but the KV cache holds 512 "
+                                                 r"\(the model's max_position_embeddings, 512\)"):  # as generate refuses
+        batch.add([1, 2, 3], max_tokens=600)
     with pytest.raises(ConfigError, match="capacity_tokens must be a positive integer"):
         model.engine.make_batched_caches(capacity_tokens=0)
 

@@ -19,6 +19,8 @@ import openai
 import pytest
 import uvicorn
 
+from butter_core import LoadOptions
+from butter_core.errors import ButterWarning
 from butter_core.model import Model
 from butter_core.sampling import Sampler
 from butter_core.serving.openai_api import make_app
@@ -52,6 +54,16 @@ def running(model: Model, **limits):
         server.should_exit = True
         thread.join()
         scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def long_served(model):
+    """The tiny model with its context raised to 8192 (a warning: beyond its 512 trained
+    positions) behind a server: requests of thousands of tokens, seconds of work, to stop early."""
+    with pytest.warns(ButterWarning, match="beyond the 512 positions"):
+        long_model = Model.load(str(model.path), LoadOptions(max_context_length=8192))
+    with running(long_model, capacity_tokens=8192, max_sessions=2, max_queue=2) as (scheduler, port):
+        yield scheduler, port
 
 
 @pytest.fixture(scope="module")
@@ -235,11 +247,12 @@ def test_cancelling_at_every_stage_returns_the_ledger_to_zero(model):
         scheduler.close()
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_session(served):
-    scheduler, port = served
+def test_a_client_that_disconnects_mid_stream_frees_its_session(long_served):
+    """Gone after its first token of 6000: its session is freed within a step or two."""
+    scheduler, port = long_served
     connection = http.client.HTTPConnection("127.0.0.1", port)
     connection.request("POST", "/v1/chat/completions",
-                       json.dumps({"messages": QUESTION, "max_tokens": 500, "temperature": 0, "stream": True}),
+                       json.dumps({"messages": QUESTION, "max_tokens": 6000, "temperature": 0, "stream": True}),
                        {"Content-Type": "application/json"})  # fmt: skip
     response = connection.getresponse()
     assert response.status == 200
@@ -248,7 +261,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_session(served):
     assert scheduler.ledger().pages_reserved > 0
     connection.sock.close()  # gone mid-stream
     connection.close()
-    wait_until_idle(scheduler)
+    wait_until_idle(scheduler, timeout=1.5)
     reply = client(port).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3, temperature=0)
     assert reply.choices[0].message.content  # the server is still serving
 
@@ -293,3 +306,26 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def test_a_client_that_disconnects_before_a_whole_answer_frees_its_session(long_served):
+    """A request answered whole (no stream) whose client goes away is cancelled within a poll, long
+    before its 6000 tokens are done."""
+    scheduler, port = long_served
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "Once upon a time", "max_tokens": 6000}),
+                       {"Content-Type": "application/json"})  # fmt: skip
+    deadline = time.monotonic() + 10
+    while scheduler.ledger().running == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert scheduler.ledger().pages_reserved > 0
+    connection.sock.close()  # gone before the answer
+    connection.close()
+    wait_until_idle(scheduler, timeout=1.5)
+
+
+def test_a_request_beyond_the_models_context_is_refused_as_generate_refuses_it(served):
+    _, port = served
+    status, _, answer = post(port, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 600})
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+    assert "max_tokens 600 need 609 positions, but the KV cache holds 512" in answer["error"]["message"]

@@ -7,11 +7,12 @@ Parameters: ``max_tokens`` (chat: or ``max_completion_tokens``), ``stop`` (a str
 ``temperature``, ``top_p``, ``seed``, ``n`` (1 only). Errors have OpenAI's shape ``{"error":
 {"message", "type", "param", "code"}}``: 400 for a bad request (naming the parameter), 429 with
 ``Retry-After`` when the queue is full (the ``openai`` client waits and retries), 500 when the
-engine failed. A streaming client that disconnects cancels its request, which releases its pages.
+engine failed. A client that disconnects (streaming or not) cancels its request, which releases its pages.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -28,6 +29,9 @@ from butter_core.serving.scheduler import QueueFull, Scheduler, Ticket, Token
 
 RETRY_AFTER_SECONDS = 1
 """What a 429 answer asks the client to wait."""
+
+DISCONNECT_POLL_SECONDS = 0.25
+"""How often a request answered whole checks that its client is still connected."""
 
 UNSUPPORTED = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
@@ -111,8 +115,13 @@ class _Api:
         if parsed.stream:
             return StreamingResponse(completion.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
+        whole = asyncio.ensure_future(completion.whole())
         try:
-            return JSONResponse(await completion.whole())
+            while not (await asyncio.wait({whole}, timeout=DISCONNECT_POLL_SECONDS))[0]:
+                if await request.is_disconnected():  # nobody will read the answer: stop generating it
+                    whole.cancel()
+                    return Response(status_code=499)
+            return JSONResponse(whole.result())
         except RequestError as exc:
             return exc.response()
         finally:

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from butter_core.batch_generation import BatchGeneration
 from butter_core.batched import BatchedCaches
-from butter_core.errors import ButterError, ConfigError
+from butter_core.errors import ButterError
 from butter_core.model import Model
 from butter_core.sampling import Sampler
 
@@ -142,13 +142,9 @@ class Scheduler:
     def submit(self, prompt: list[int], *, max_tokens: int, sampler: Sampler,
                stop_ids: Collection[int] | None = None) -> Ticket:  # fmt: skip
         """Queue a request (on the running event loop); raises ``QueueFull`` when ``max_queue``
-        requests wait already, ``ConfigError`` when it could never fit the caches."""
-        needed = self.caches.pages_for(len(prompt) + max_tokens)
-        if needed > self.caches.num_pages:
-            raise ConfigError(
-                f"the prompt's {len(prompt)} tokens and max_tokens {max_tokens} need {needed} pages of "
-                f"{self.caches.page_size} positions; the server's caches hold {self.caches.num_pages}"
-            )
+        requests wait already, ``ConfigError`` when it could never fit (the model's context or the
+        caches' pages: ``BatchGeneration.check_fits``)."""
+        self._batch.check_fits(len(prompt), max_tokens)
         ticket = Ticket(asyncio.get_running_loop(), len(prompt))
         with self._lock:
             if len(self._incoming) + self._batch.active >= self.max_sessions + self.max_queue:
