@@ -51,7 +51,7 @@ from butter_core.config import Window
 from butter_core.errors import ConfigError
 from butter_core.recurrent import StateCache, StateSpec
 from butter_core.sequence_state import SequenceState, Written
-from butter_core.slots import BufferedSlotCache, SlotBuffers, unstack
+from butter_core.slots import BufferedSlotCache, SlotBuffers, gather_rows, unstack
 
 DEFAULT_MAX_SEQUENCES = 64
 """Sequence slots of a model with recurrent layers when ``max_sequences`` is not given (at most
@@ -103,8 +103,10 @@ class BatchedCaches:
         self.page_size = page_size
         self.num_pages = math.ceil(capacity_tokens / page_size)
         self.capacity_tokens = self.num_pages * page_size
-        recurrent = any(isinstance(spec, StateSpec) for spec in specs)
-        default = min(self.num_pages, DEFAULT_MAX_SEQUENCES) if recurrent else self.num_pages
+        self.has_state_pools = any(isinstance(spec, StateSpec) for spec in specs)
+        """Whether some layer is recurrent: its state would step through padding, so a step's sequences
+        must then all take ``tokens`` positions."""
+        default = min(self.num_pages, DEFAULT_MAX_SEQUENCES) if self.has_state_pools else self.num_pages
         self.max_sequences = max_sequences or default
         self.specs = list(specs)
         self.prototypes = list(prototypes)
@@ -220,6 +222,11 @@ class BatchedCaches:
         return pages + self.sequence_state_bytes
 
     @property
+    def bytes_per_position(self) -> int:
+        """Bytes one position takes in the pages of every attention layer (the schemes' own layouts)."""
+        return sum(p.bytes_per_slot for p in self.prototypes if isinstance(p, BufferedSlotCache))
+
+    @property
     def sequence_state_bytes(self) -> int:
         """Bytes of what the attention schemes keep per sequence beside the pages (``SequenceState``,
         ``max_sequences`` rows each)."""
@@ -261,12 +268,6 @@ class BatchedCaches:
                   if isinstance(p, BufferedSlotCache) and w is None and p.capacity is not None]  # fmt: skip
         return min(limits, default=None)
 
-    @property
-    def has_state_pools(self) -> bool:
-        """Whether some layer is recurrent: its state would step through padding, so a step's sequences
-        must then all take ``tokens`` positions."""
-        return any(isinstance(storage, StatePool) for storage in self.storage)
-
     def views(self, step: BatchedStep) -> list[BatchedLayer | BatchedStateLayer]:
         """One view per layer for ``step``: what the model's layers take as caches."""
         return [(BatchedStateLayer if isinstance(spec, StateSpec) else BatchedLayer)(self, index, step)
@@ -276,9 +277,16 @@ class BatchedCaches:
 def page_slots(table: mx.array, page_size: int, length: int) -> mx.array:
     """The slots of each sequence's first ``length`` positions ``[sequences, length]``, from its page
     table ``[sequences, pages]``: position ``p`` in slot ``table[b, p // page_size] * page_size + p %
-    page_size``. What a paged kernel's reference gathers with."""
+    page_size``: where batched storage reads each sequence's positions (``Placement.read_index``)."""
     slots = table[:, :, None] * page_size + mx.arange(page_size, dtype=mx.int32)
     return slots.reshape(table.shape[0], -1)[:, :length]
+
+
+def gather_pages(storage: mx.array, table: mx.array, page_size: int, length: int) -> mx.array:
+    """Each sequence's first ``length`` positions of one paged storage array ``[1, heads, slots, width]``,
+    ``[sequences, heads, length, width]``, through its page table: what a paged kernel's reference
+    reads (``page_slots``, then ``slots.gather_rows``, as batched storage reads its pages)."""
+    return gather_rows(storage, page_slots(table, page_size, length))
 
 
 def live_mask(lengths: mx.array, length: int) -> mx.array:
@@ -426,20 +434,21 @@ class BatchedLayer(StepView):
         prototype, storage = self.caches.prototypes[self.index], self.caches.storage[self.index]
         state = self.caches.states[self.index]
         place = self.step.placement(self.caches.windows[self.index], fresh=state is not None)
+        rows = prototype.encode(keys, values)
         if place.fresh:
             # A wrapping chunk overwrites slots it must first read; any other writes no slot it reads, and
             # writes first, as a single cache does, so that its rows take their place in the sequence state.
             if not place.wraps:
-                self._write(place, keys, values)
+                self._write(place, rows, keys, values)
             stored_keys, stored_values = self._stored(place)
-            chunk_keys, chunk_values = self._chunk_rows(place, keys, values)
+            chunk_keys, chunk_values = self._chunk_rows(place, rows, keys, values)
             out = attend(queries, mx.concatenate([stored_keys, chunk_keys.astype(stored_keys.dtype)], axis=2),
                          mx.concatenate([stored_values, chunk_values.astype(stored_values.dtype)], axis=2),
                          scale=scale, mask=place.mask)  # fmt: skip
             if place.wraps:
-                self._write(place, keys, values)
+                self._write(place, rows, keys, values)
             return out
-        self._write(place, keys, values)
+        self._write(place, rows, keys, values)
         if self.step.tokens == 1:
             page = self.caches.page_size
             out = (prototype.paged_decode(queries, storage.read(), place.table, place.lengths, page, place.length, scale)
@@ -450,22 +459,24 @@ class BatchedLayer(StepView):
         stored_keys, stored_values = self._stored(place)
         return attend(queries, stored_keys, stored_values, scale=scale, mask=place.mask)
 
-    def _chunk_rows(self, place: Placement, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The chunk's own rows as a fresh placement attends to them: as they came where the chunk wraps
-        its sequence's ring or the layer has a sequence state (as a single cache attends), else as
-        written and read back (``decode(encode(...))``), as a single cache that wrote them first reads."""
+    def _chunk_rows(self, place: Placement, rows: dict[str, mx.array], keys: mx.array,
+                    values: mx.array) -> tuple[mx.array, mx.array]:  # fmt: skip
+        """The chunk's own keys and values as a fresh placement attends to them: as they came where the
+        chunk wraps its sequence's ring or the layer has a sequence state (as a single cache attends),
+        else as written and read back (``decode`` of their encoded ``rows``), as a single cache that
+        wrote them first reads."""
         if self.caches.states[self.index] is not None or all(place.wrapping):
             return keys, values
         prototype = self.caches.prototypes[self.index]
-        coded_keys, coded_values = prototype.decode(unstack(prototype.encode(keys, values), prototype.slots.stacks))
+        coded_keys, coded_values = prototype.decode(unstack(rows, prototype.slots.stacks))
         wrapping = mx.array(place.wrapping)[:, None, None, None]
         return (mx.where(wrapping, keys.astype(coded_keys.dtype), coded_keys),
                 mx.where(wrapping, values.astype(coded_values.dtype), coded_values))  # fmt: skip
 
-    def _write(self, place: Placement, keys: mx.array, values: mx.array) -> None:
-        """Encode and scatter the step's rows into the pages (and tell the sequence state)."""
-        self.caches.storage[self.index].write_at(place.write_slots, self.caches.prototypes[self.index].encode(keys, values),
-                                                 take=place.write_rows)  # fmt: skip
+    def _write(self, place: Placement, rows: dict[str, mx.array], keys: mx.array, values: mx.array) -> None:
+        """Scatter the step's encoded ``rows`` into the pages (and tell the sequence state of the keys and
+        values they encode)."""
+        self.caches.storage[self.index].write_at(place.write_slots, rows, take=place.write_rows)
         state = self.caches.states[self.index]
         if state is not None:
             state.write(self.step.slots, place.written, keys, values)

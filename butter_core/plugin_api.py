@@ -8,7 +8,7 @@ keeps every name the guide documents importable.
 - The attention contract: ``LayerCache`` (what every layer's cache has),
   ``AttentionCache`` (what a model's attention calls), ``SlotCache`` (what an attention
   scheme subclasses), ``BufferedSlotCache`` and ``SlotBuffers`` (storage grown in steps),
-  ``LayerSpec``, ``check_chunk``, ``attend`` and ``reference_attention``; ``page_slots`` and
+  ``LayerSpec``, ``check_chunk``, ``attend`` and ``reference_attention``; ``gather_pages`` and
   ``live_mask`` for the references of paged decode kernels and ``SequenceState`` with
   ``Written`` for state a scheme keeps per sequence beside the pages (``butter_core.batched``).
 - The recurrent contract: ``StateCache`` (what a recurrent scheme subclasses),
@@ -25,7 +25,7 @@ keeps every name the guide documents importable.
 """
 
 from butter_core import recurrent_ops
-from butter_core.batched import live_mask, page_slots
+from butter_core.batched import gather_pages, live_mask
 from butter_core.cache import (
     ATTENTION,
     AttentionCache,
@@ -98,12 +98,12 @@ __all__ = [
     "gpu_shape",
     "grouped_queries",
     "hookimpl",
+    "gather_pages",
     "kernel_params",
     "live_mask",
     "mma",
     "one_of",
     "paged_attention_inputs",
-    "page_slots",
     "positive",
     "recurrent_ops",
     "reference_attention",

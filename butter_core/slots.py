@@ -161,13 +161,19 @@ class SlotBuffers:
 
     def read_at(self, index: mx.array) -> dict[str, mx.array]:
         """The rows of slots ``index`` (``[batch, length]``) of a batch-1 storage, by buffer name, each
-        ``[batch, heads, length, width]``: one sequence's pages per batch row, gathered. (``squeeze``, not
-        ``array[0]``: MLX gathers from that strided view by first copying the whole storage, which made
-        a decode step's cost grow with the storage's capacity, docs/benchmarks.md.)"""
-        return {name: array.squeeze(0)[:, index].transpose(1, 0, 2, 3) for name, array in self._storage.items()}
+        ``[batch, heads, length, width]``: one sequence's pages per batch row, gathered (``gather_rows``)."""
+        return {name: gather_rows(array, index) for name, array in self._storage.items()}
 
     def _row_stacks(self, rows: dict[str, mx.array]) -> Stacks:
         return {key: self.row_stacks[key] for key in rows if key in self.row_stacks}
+
+
+def gather_rows(storage: mx.array, index: mx.array) -> mx.array:
+    """The rows of slots ``index`` (``[batch, length]``) of one batch-1 storage array ``[1, heads, slots,
+    width]``, as ``[batch, heads, length, width]``. (``squeeze``, not ``storage[0]``: MLX gathers from
+    that strided view by first copying the whole storage, which made a batched decode step's cost
+    grow with the storage's capacity, docs/benchmarks.md.)"""
+    return storage.squeeze(0)[:, index].transpose(1, 0, 2, 3)
 
 
 def unstack(arrays: dict[str, mx.array], stacks: Stacks, length: int | None = None) -> dict[str, mx.array]:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import attrs
 import mlx.core as mx
@@ -343,6 +344,17 @@ _MERGE = Kernel(
   }
 """,
 )
+
+
+def fill(body: str, expressions: Mapping[str, str]) -> str:
+    """A kernel body with its open expressions (``$NAME``) filled in: how one partials body serves a
+    cache's own buffers and batched storage's pages (each scheme's paged decode kernel). Raises
+    ``ValueError`` where one is left open."""
+    for name, expression in expressions.items():
+        body = body.replace(name, expression)
+    if "$" in body:
+        raise ValueError(f"an expression is left open: {body[body.index('$'):][:20]}")
+    return body
 
 
 def merge_threads(n_splits: int, dims: int) -> int:

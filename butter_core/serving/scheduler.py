@@ -113,9 +113,8 @@ class Scheduler:
                  prefill_chunk: int | None = None):  # fmt: skip
         self.model = model
         self.max_sessions, self.max_queue = max_sessions, max_queue
-        self.caches: BatchedCaches = model.engine.make_batched_caches(capacity_tokens, max_sequences=max_sessions)
-        self._prefill_chunk = prefill_chunk
-        self._batch = self._new_batch()
+        self._capacity_tokens, self._prefill_chunk = capacity_tokens, prefill_chunk
+        self._fresh_batch()
         self._lock = threading.Condition()
         self._incoming: list[_Submission] = []
         self._cancels: list[Ticket] = []
@@ -124,8 +123,11 @@ class Scheduler:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=_serve_then_park, args=(self,), name="butter-scheduler", daemon=True)
 
-    def _new_batch(self) -> BatchGeneration:
-        return self.model.generate_batch(self.caches, prefill_chunk=self._prefill_chunk)
+    def _fresh_batch(self) -> None:
+        """New caches and a new batch over them (at start, and after a step failed)."""
+        self.caches: BatchedCaches = self.model.engine.make_batched_caches(self._capacity_tokens,
+                                                                           max_sequences=self.max_sessions)  # fmt: skip
+        self._batch: BatchGeneration = self.model.generate_batch(self.caches, prefill_chunk=self._prefill_chunk)
 
     # -- the handlers' side (any thread) -------------------------------------------
 
@@ -164,10 +166,10 @@ class Scheduler:
         with self._lock:
             waiting = self._waiting_now()
             running = self._batch.running
-        free = self.caches.free_pages
-        per_page = self.caches.nbytes_allocated // self.caches.num_pages
-        reserved = self.caches.num_pages - free
-        return Ledger(waiting, running, reserved, self.caches.num_pages, reserved * per_page, self.caches.nbytes_allocated)
+        caches = self.caches
+        reserved = caches.num_pages - caches.free_pages
+        per_page = caches.bytes_per_position * caches.page_size
+        return Ledger(waiting, running, reserved, caches.num_pages, reserved * per_page, caches.nbytes_allocated)
 
     def _waiting_now(self) -> int:
         return len(self._incoming) + self._batch.active - self._batch.running
@@ -214,9 +216,7 @@ class Scheduler:
             for ticket in self._tickets.values():
                 ticket._put(Finished("error", message))
             self._tickets.clear()
-            self.caches = self.model.engine.make_batched_caches(self.caches.capacity_tokens,
-                                                                max_sequences=self.max_sessions)  # fmt: skip
-            self._batch = self._new_batch()
+            self._fresh_batch()
             mx.clear_cache()
             return
         for sequence_id, token_id in produced:

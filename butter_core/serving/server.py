@@ -36,7 +36,7 @@ def capacity_for(model: Model, kv_memory: int, max_sessions: int) -> int:
     and per-sequence state included), at most what ``max_sessions`` sequences of the model's whole
     context could use."""
     probe = model.engine.make_batched_caches(PAGE_SIZE, max_sequences=max_sessions)
-    per_position = (probe.nbytes_allocated - probe.sequence_state_bytes) / PAGE_SIZE
+    per_position = probe.bytes_per_position
     fixed = probe.state_bytes + probe.sequence_state_bytes
     if kv_memory < fixed + PAGE_SIZE * per_position:
         raise ConfigError(f"--kv-memory {kv_memory} bytes does not hold one page of {PAGE_SIZE} positions "

@@ -127,7 +127,7 @@ class AuraCache(BufferedSlotCache):
                 self._unencoded.append(start)
         else:
             self._encode_unencoded()
-            rows = self.ops.encode_rows(keys, values, self.rotation, self.key_codec, self.value_codec)
+            rows = self.encode(keys, values)
             self.slots.write(start, rows, live=self.length)
             self._keep_full_precision(start, keys, values, position)
 
@@ -153,10 +153,7 @@ class AuraCache(BufferedSlotCache):
         slots = sorted(self._unencoded)
         self._unencoded = []
         index = mx.array([self.budget.row_of(slot) for slot in slots], dtype=mx.int32)
-        rows = self.ops.encode_rows(
-            mx.take(self._fp["fp_keys"], index, axis=2), mx.take(self._fp["fp_values"], index, axis=2),
-            self.rotation, self.key_codec, self.value_codec,
-        )
+        rows = self.encode(mx.take(self._fp["fp_keys"], index, axis=2), mx.take(self._fp["fp_values"], index, axis=2))
         first = 0
         for i in range(1, len(slots) + 1):
             if i == len(slots) or slots[i] != slots[i - 1] + 1:

@@ -15,7 +15,7 @@
 - ``paged_sdpa_decode``: the same attention for many sequences at once over shared paged
   storage (``butter_core.batched``): each sequence's keys read in place through its page
   table, up to its own length; the partials pass is ``sdpa_decode``'s, with the slot of a
-  key and the live length per sequence (``_partials_body``).
+  key and the live length per sequence (``split_k.fill``).
 
 ``bench/gpu_raw_kernels.py`` measures the first two (docs/benchmarks.md,
 "plugins/butter-raw/butter_raw/kernels.py"). ``KERNEL_CHECKS`` lists all three for the
@@ -31,8 +31,8 @@ from butter_core.plugin_api import (
     Kernel,
     KernelCheck,
     kernel_params,
+    gather_pages,
     live_mask,
-    page_slots,
     paged_attention_inputs,
     reference_attention,
     split_k,
@@ -64,13 +64,13 @@ _PARTIALS_BODY = """
   constexpr int KEYS_PER_STEP = WARPS * KEYS_PER_WARP * TILE;
 
   const SplitKBlock block = splitk_block<HEADS>(
-      block_idx, grid_dim, queries_shape[1], keys_shape[1], LIVE);
+      block_idx, grid_dim, queries_shape[1], keys_shape[1], $LIVE);
   const int start = block.start;
   const int end = block.end;
   const int allocated = keys_shape[2];
   const int sub = lane_id % LANES_PER_KEY;
   const int slot = lane_id / LANES_PER_KEY;
-  const int64_t kv_offset = static_cast<int64_t>(KV_ROWS) * allocated * D + sub * VEC;
+  const int64_t kv_offset = static_cast<int64_t>($KV_ROWS) * allocated * D + sub * VEC;
 
   const float q_scale = scale[0] * 1.4426950408889634f;
   float q[HEADS][VEC];
@@ -100,7 +100,7 @@ _PARTIALS_BODY = """
       const int key = base + t * KEYS_PER_WARP + slot;
       valid[t] = key < end;
       const int at = valid[t] ? key : base;
-      const int64_t row = kv_offset + SLOT(at) * D;
+      const int64_t row = kv_offset + $SLOT * D;
       bt_load<VEC>(keys + row, k[t]);
       bt_load<VEC>(values + row, v[t]);
     }
@@ -148,13 +148,9 @@ _PARTIALS_BODY = """
       m, l, acc, sub, slot, warp_id, thread_rank, block,
       warp_m, warp_l, warp_acc, partial_acc, partial_max, partial_sum);
 """
-"""The partials pass of both decode kernels, with three expressions left open: ``LIVE`` (the live
-keys of this block's sequence), ``KV_ROWS`` (which ``allocated``-slot run of the K/V arrays is
-this block's: its batch and KV head) and ``SLOT(at)`` (the slot holding key ``at``)."""
-
-
-def _partials_body(live: str, kv_rows: str, slot: str) -> str:
-    return _PARTIALS_BODY.replace("LIVE", live).replace("KV_ROWS", kv_rows).replace("SLOT(at)", slot)
+"""The partials pass of both decode kernels, with three expressions left open (``split_k.fill``):
+``$LIVE`` (the live keys of this block's sequence), ``$KV_ROWS`` (which ``allocated``-slot run of
+the K/V arrays is this block's: its batch and KV head) and ``$SLOT`` (the slot holding key ``at``)."""
 
 
 _SDPA_PARTIALS = Kernel(
@@ -162,7 +158,8 @@ _SDPA_PARTIALS = Kernel(
     input_names=("queries", "keys", "values", "length", "scale"),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=split_k.SPLIT_K_HELPERS,
-    body=_partials_body("length[0]", "block.batch_kv_head", "static_cast<int64_t>(at)"),
+    body=split_k.fill(_PARTIALS_BODY, {"$LIVE": "length[0]", "$KV_ROWS": "block.batch_kv_head",
+                                       "$SLOT": "static_cast<int64_t>(at)"}),
 )
 
 _PAGED_PARTIALS = Kernel(
@@ -175,10 +172,10 @@ _PAGED_PARTIALS = Kernel(
         "  // position p is in slot table[b, p / PAGE] * PAGE + p % PAGE, its live keys lengths[b].\n"
         "  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], keys_shape[1]);\n"
         "  const int64_t pages = static_cast<int64_t>(sequence) * table_shape[1];\n"
-        + _partials_body(
-            "lengths[sequence]", "block.kv_head",
-            "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)",
-        )
+        + split_k.fill(_PARTIALS_BODY, {
+            "$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head",
+            "$SLOT": "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)",
+        })
     ),
 )
 
@@ -315,8 +312,7 @@ def paged_sdpa_decode_reference(
 ) -> mx.array:  # fmt: skip
     """The same through plain mx ops: each sequence's pages gathered, its live keys masked, float32."""
     _check_paged_args(queries, keys, values, table, lengths, page_size, length)
-    slots = page_slots(table, page_size, length)
-    k, v = (x[0][:, slots].transpose(1, 0, 2, 3) for x in (keys, values))
+    k, v = (gather_pages(x, table, page_size, length) for x in (keys, values))
     return reference_attention(queries, k, v, scale=scale, mask=live_mask(lengths, length)).astype(queries.dtype)
 
 

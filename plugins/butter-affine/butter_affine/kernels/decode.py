@@ -35,8 +35,8 @@ import numpy as np
 from butter_core.plugin_api import (
     Kernel,
     kernel_params,
+    gather_pages,
     live_mask,
-    page_slots,
     paged_attention_inputs,
     reference_attention,
     split_k,
@@ -88,13 +88,13 @@ BT_FUNC void affine_fetch_tile(
 
 _ROWS = """
 #pragma unroll
-    for (int t = 0; t < TILE; ++t) {  // key FIRST + t * KEYS_PER_WARP, clamped to the last live one
-      const int key = FIRST + t * KEYS_PER_WARP;
+    for (int t = 0; t < TILE; ++t) {  // key $FIRST + t * KEYS_PER_WARP, clamped to the last live one
+      const int key = $FIRST + t * KEYS_PER_WARP;
       const int at = key < end - 1 ? key : (end > 0 ? end - 1 : 0);
-      ROWS[t] = SLOT(at);
+      rows[t] = $SLOT;
     }
 """
-"""Storage rows of the TILE keys a lane's stream takes from key ``FIRST``, into ``ROWS``."""
+"""Storage rows of the TILE keys a lane's stream takes from key ``$FIRST``, into ``rows``."""
 
 _PARTIALS_BODY = """
   // One threadgroup: one (batch, kv head, group of HEADS query heads) and one split of
@@ -109,13 +109,13 @@ _PARTIALS_BODY = """
   constexpr int GROUPS = D / GROUP;
 
   const SplitKBlock block = splitk_block<HEADS>(
-      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], LIVE);
+      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], $LIVE);
   const int start = block.start;
   const int end = block.end;
   const int allocated = key_codes_shape[2];
   const int sub = lane_id % LANES_PER_KEY;
   const int slot = lane_id / LANES_PER_KEY;
-  const int64_t first_row = static_cast<int64_t>(KV_ROWS) * allocated;
+  const int64_t first_row = static_cast<int64_t>($KV_ROWS) * allocated;
   const int64_t code_offset = first_row * ROW_WORDS + sub * WORDS;
   const int64_t group_offset = first_row * GROUPS + (sub * ELEMS) / GROUP;
 
@@ -155,7 +155,7 @@ _PARTIALS_BODY = """
   // shuffles.
   int base = start + static_cast<int>(warp_id) * KEYS_PER_WARP * TILE;
   if (PREFETCH) {
-""" + _ROWS.replace("FIRST", "(base + slot)").replace("ROWS", "rows") + """
+""" + _ROWS.replace("$FIRST", "(base + slot)") + """
     affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS>(
         key_codes + code_offset, key_scales + group_offset, key_biases + group_offset,
         value_codes + code_offset, value_scales + group_offset, value_biases + group_offset,
@@ -176,7 +176,7 @@ _PARTIALS_BODY = """
         vb[t] = next_vb[t];
       }
     }
-""" + _ROWS.replace("FIRST", "((PREFETCH ? base + KEYS_PER_STEP : base) + slot)").replace("ROWS", "rows") + """
+""" + _ROWS.replace("$FIRST", "((PREFETCH ? base + KEYS_PER_STEP : base) + slot)") + """
     affine_fetch_tile<TILE, WORDS, ROW_WORDS, GROUPS>(
         key_codes + code_offset, key_scales + group_offset, key_biases + group_offset,
         value_codes + code_offset, value_scales + group_offset, value_biases + group_offset,
@@ -252,13 +252,10 @@ _PARTIALS_BODY = """
       m, l, acc, sub, slot, warp_id, thread_rank, block,
       warp_m, warp_l, warp_acc, partial_acc, partial_max, partial_sum);
 """
-"""The partials pass of both decode kernels, with three expressions left open, as in butter-raw's:
-``LIVE`` (this block's sequence's live keys), ``KV_ROWS`` (which ``allocated``-row run of the
-buffers is this block's: its batch and KV head) and ``SLOT(at)`` (the row holding key ``at``)."""
-
-
-def _partials_body(live: str, kv_rows: str, slot: str) -> str:
-    return _PARTIALS_BODY.replace("LIVE", live).replace("KV_ROWS", kv_rows).replace("SLOT(at)", slot)
+"""The partials pass of both decode kernels, with three expressions left open (``split_k.fill``), as
+in butter-raw's: ``$LIVE`` (this block's sequence's live keys), ``$KV_ROWS`` (which
+``allocated``-row run of the buffers is this block's: its batch and KV head) and ``$SLOT`` (the row
+holding key ``at``)."""
 
 
 _PARTIALS = Kernel(
@@ -266,7 +263,8 @@ _PARTIALS = Kernel(
     input_names=(*("queries",), *BUFFERS, "length", "scale"),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=_HELPERS,
-    body=_partials_body("length[0]", "block.batch_kv_head", "static_cast<int64_t>(at)"),
+    body=split_k.fill(_PARTIALS_BODY, {"$LIVE": "length[0]", "$KV_ROWS": "block.batch_kv_head",
+                                       "$SLOT": "static_cast<int64_t>(at)"}),
 )
 
 _PAGED_PARTIALS = Kernel(
@@ -279,10 +277,10 @@ _PAGED_PARTIALS = Kernel(
         "  // position p is in slot table[b, p / PAGE] * PAGE + p % PAGE, its live keys lengths[b].\n"
         "  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], key_codes_shape[1]);\n"
         "  const int64_t pages = static_cast<int64_t>(sequence) * table_shape[1];\n"
-        + _partials_body(
-            "lengths[sequence]", "block.kv_head",
-            "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)",
-        )
+        + split_k.fill(_PARTIALS_BODY, {
+            "$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head",
+            "$SLOT": "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)",
+        })
     ),
 )
 
@@ -375,8 +373,7 @@ def paged_decode_attention_reference(
     masked, in float32."""
     buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
     fmt = _check_paged_args(queries, buffers, table, lengths, page_size, length)
-    slots = page_slots(table, page_size, length)
-    rows = [x[0][:, slots].transpose(1, 0, 2, 3) for x in buffers]
+    rows = [gather_pages(x, table, page_size, length) for x in buffers]
     keys = codec.dequantize(*rows[:3], fmt.bits, mx.float32)
     values = codec.dequantize(*rows[3:], fmt.bits, mx.float32)
     return reference_attention(queries, keys, values, scale=scale, mask=live_mask(lengths, length)).astype(queries.dtype)

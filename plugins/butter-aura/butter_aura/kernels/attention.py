@@ -326,15 +326,6 @@ _PAGED = {
 codes in pages read through ``table``, fp rows ``[sequences * ROWS, heads, D]`` at ``sequence_rows``."""
 
 
-def fill(body: str, expressions: dict[str, str]) -> str:
-    """``body`` with its open expressions filled in."""
-    for name, expression in expressions.items():
-        body = body.replace(name, expression)
-    if "$" in body:
-        raise ValueError(f"an expression is left open: {body[body.index('$'):][:20]}")
-    return body
-
-
 _PARTIALS = Kernel(
     name="butter_aura_decode_partials",
     input_names=(
@@ -343,7 +334,7 @@ _PARTIALS = Kernel(
     ),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=split_k.SPLIT_K_HELPERS + HELPERS,
-    body=fill(_PARTIALS_BODY, _DENSE),
+    body=split_k.fill(_PARTIALS_BODY, _DENSE),
 )
 
 _MERGE = Kernel(
@@ -354,7 +345,7 @@ _MERGE = Kernel(
     ),
     output_names=("out",),
     helpers=split_k.MERGE_HELPERS + HELPERS,
-    body=fill(_MERGE_BODY, _DENSE),
+    body=split_k.fill(_MERGE_BODY, _DENSE),
 )
 
 _PAGED_PARTIALS = Kernel(
@@ -366,7 +357,7 @@ _PAGED_PARTIALS = Kernel(
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=split_k.SPLIT_K_HELPERS + HELPERS,
     body="  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], key_codes_shape[1]);\n"
-    + fill(_PARTIALS_BODY, _PAGED),
+    + split_k.fill(_PARTIALS_BODY, _PAGED),
 )
 
 _PAGED_MERGE = Kernel(
@@ -377,7 +368,7 @@ _PAGED_MERGE = Kernel(
     ),
     output_names=("out",),
     helpers=split_k.MERGE_HELPERS + HELPERS,
-    body=fill(_MERGE_BODY, _PAGED),
+    body=split_k.fill(_MERGE_BODY, _PAGED),
 )
 
 SUPPORTED_HEAD_DIMS = (64, 128)

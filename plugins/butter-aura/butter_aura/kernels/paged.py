@@ -16,7 +16,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from butter_core.plugin_api import kernel_params, page_slots
+from butter_core.plugin_api import gather_pages, kernel_params
 
 from butter_aura import reference
 from butter_aura.codec import Codec
@@ -50,16 +50,15 @@ class PagedStored:
     key_codec: Codec
     value_codec: Codec
     rotation: Rotation
+    recent_slots: mx.array = attrs.field(
+        default=attrs.Factory(lambda self: mx.array(self.recent, dtype=mx.int32), takes_self=True))
+    """``recent`` as the kernels read it, ``[B, ring]`` int32 (made once: both launches read it)."""
 
     @property
     def length(self) -> int:
         """The longest sequence's live slots: what the splits are planned for."""
         return max(self.lengths)
 
-    @property
-    def recent_slots(self) -> mx.array:
-        """``recent`` as the kernels read it, ``[B, ring]`` int32."""
-        return mx.array(self.recent, dtype=mx.int32)
 
     def params(self) -> mx.array:
         """``attention.live_params`` per sequence, ``[B, 7]``: its live slots, the budget's sinks and
@@ -87,11 +86,11 @@ def paged_decode_attention_reference(queries: mx.array, paged: PagedStored, scal
     rows = np.asarray(paged.sequence_rows).tolist()
     out = []
     for b, (length, ring) in enumerate(zip(paged.lengths, paged.recent)):
-        slots = page_slots(paged.table[b : b + 1], paged.page_size, length)[0]
+        codes = {name: gather_pages(getattr(paged, name), paged.table[b : b + 1], paged.page_size, length)
+                 for name in ("key_codes", "key_scales", "value_codes", "value_scales")}  # fmt: skip
         fp = mx.arange(paged.budget.rows) + rows[b] * paged.budget.rows
         stored = StoredLayer(
-            key_codes=paged.key_codes[:, :, slots], key_scales=paged.key_scales[:, :, slots],
-            value_codes=paged.value_codes[:, :, slots], value_scales=paged.value_scales[:, :, slots],
+            **codes,
             fp_keys=paged.fp_keys[fp].transpose(1, 0, 2)[None], fp_values=paged.fp_values[fp].transpose(1, 0, 2)[None],
             recent_slots=mx.array(ring, dtype=mx.int32), length=length, budget=paged.budget,
             key_codec=paged.key_codec, value_codec=paged.value_codec, rotation=paged.rotation,
