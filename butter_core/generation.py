@@ -36,6 +36,9 @@ class GenerationStats:
     """What one generation did and cost; filled in as it runs."""
 
     prompt_tokens: int = 0
+    """Prompt tokens fed (not those the caches held already)."""
+    held_tokens: int = 0
+    """Positions the caches held before the prompt: an earlier turn, or a prompt cache's prefix."""
     prompt_seconds: float = 0.0
     generated_tokens: int = 0
     decode_seconds: float = 0.0
@@ -59,7 +62,9 @@ class GenerationStats:
     def summary(self) -> str:
         """One line for a terminal."""
         return (
-            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tps:.1f} tok/s | "
+            f"prompt: {self.prompt_tokens} tokens"
+            + (f" after {self.held_tokens} held" if self.held_tokens else "")
+            + f", {self.prompt_tps:.1f} tok/s | "
             f"decode: {self.generated_tokens} tokens, {self.decode_tps:.1f} tok/s | "
             f"KV: {format_bytes(self.kv_bytes_allocated)} allocated, {format_bytes(self.kv_bytes_live)} live | "
             + (f"state: {format_bytes(self.state_bytes)} | " if self.state_bytes else "")
@@ -91,7 +96,10 @@ class Generation:
         max_tokens: int = 256,
         stop_ids: Collection[int] = (),
         prefill_progress: Callable[[int, int], None] | None = None,
+        prefilled: Callable[[Sequence[LayerCache]], None] | None = None,
     ):
+        """``prefilled(caches)`` is called once the prompt is in the caches, before the first
+        generated token is: where ``butter generate --prompt-cache`` saves them."""
         check_request(prompt_ids, max_tokens)
         self.engine = engine
         self.prompt_ids = engine.token_ids(prompt_ids)
@@ -103,7 +111,9 @@ class Generation:
         self.max_tokens = max_tokens
         self.stop_ids = frozenset(stop_ids)
         self.prefill_progress = prefill_progress
-        self.stats = GenerationStats(prompt_tokens=prompt)
+        self.prefilled = prefilled
+        held = caches[0].absolute_position if caches else 0
+        self.stats = GenerationStats(prompt_tokens=prompt, held_tokens=held)
         self._started = False
 
     def __iter__(self) -> Iterator[int]:
@@ -114,6 +124,9 @@ class Generation:
         mx.reset_peak_memory()
         start = time.perf_counter()
         token = sample(engine.run(self.prompt_ids, self.caches, progress=self.prefill_progress))
+        if self.prefilled is not None:
+            mx.eval(token)
+            self.prefilled(self.caches)
         first_token_at, pending = start, token
         try:
             for count in range(1, self.max_tokens + 1):

@@ -102,13 +102,15 @@ class Model:
         max_tokens: int = 256,
         stop_ids: Collection[int] | None = None,
         prefill_progress: Callable[[int, int], None] | None = None,
+        prefilled: Callable[[Sequence[LayerCache]], None] | None = None,
     ) -> Generation:
         """Stream tokens after ``prompt_ids`` (fresh caches unless given) until a stop id (default: the
         model's end-of-sequence ids) or ``max_tokens``; ``prefill_progress(done, total)`` follows a
-        long prompt's prefill chunk by chunk."""
+        long prompt's prefill chunk by chunk; ``prefilled(caches)`` is called once the prompt is in
+        the caches (to save them: ``butter_core.prompt_cache``)."""
         caches = self.engine.make_layer_caches() if caches is None else caches
         stop_ids = self.tokenizer.eos_token_ids if stop_ids is None else stop_ids
         return Generation(
             self.engine, prompt_ids, caches, sampler=sampler, max_tokens=max_tokens, stop_ids=stop_ids,
-            prefill_progress=prefill_progress,
+            prefill_progress=prefill_progress, prefilled=prefilled,
         )  # fmt: skip

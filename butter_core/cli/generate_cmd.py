@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from butter_core.cli.model_options import add_model_arguments, load_model, positive_int, prompt_text
 from butter_core.errors import ConfigError
 from butter_core.progress import Progress
+from butter_core.prompt_cache import resume_prompt_cache, save_prompt_cache
 from butter_core.sampling import Sampler
 
 PROGRESS_DELAY = 2.0
@@ -24,7 +26,15 @@ def add_parser(sub) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="do not stop at the model's end-of-sequence tokens: generate exactly --max-tokens")  # fmt: skip
+    parser.add_argument("--prompt-cache", metavar="FILE",
+                        help="reuse the prompt prefix FILE holds (if it exists, for this model and --kv-cache), "
+                             "then save this prompt's cache to FILE (safetensors)")  # fmt: skip
     parser.set_defaults(run=run)
+
+
+def _save(path: str, model, prompt: list[int], held: int, caches) -> None:
+    save_prompt_cache(path, model, caches, prompt)
+    print(f"prompt cache: {held} of {len(prompt)} prompt tokens reused; saved {len(prompt)} to {path}", file=sys.stderr)
 
 
 def run(args) -> int:
@@ -33,10 +43,14 @@ def run(args) -> int:
     sampler = Sampler(args.temp, args.top_p, args.seed)
     model = load_model(args)
     prompt = model.encode_prompt(args.prompt, chat=args.chat)
-    prefill = Progress(len(prompt), "prefill", sys.stderr, delay=PROGRESS_DELAY)
+    caches, held, prefilled = None, 0, None
+    if args.prompt_cache:
+        caches, held = resume_prompt_cache(args.prompt_cache, model, prompt)
+        prefilled = functools.partial(_save, args.prompt_cache, model, prompt, held)
+    prefill = Progress(len(prompt) - held, "prefill", sys.stderr, delay=PROGRESS_DELAY)
     generation = model.generate(
-        prompt, sampler=sampler, max_tokens=args.max_tokens, stop_ids=() if args.ignore_eos else None,
-        prefill_progress=lambda done, total: prefill.advance_to(done, "tokens"),
+        prompt[held:], caches, sampler=sampler, max_tokens=args.max_tokens, stop_ids=() if args.ignore_eos else None,
+        prefill_progress=lambda done, total: prefill.advance_to(done, "tokens"), prefilled=prefilled,
     )  # fmt: skip
     detokenizer = model.tokenizer.detokenizer()
     for token_id in generation:
