@@ -20,7 +20,9 @@ layers only chunks of one length share a forward).
 The tokens a step samples stay on the device: the next step feeds them and queues its own
 work before the host reads them (a decode step is host-bound on a GPU otherwise), so a
 sequence that reads a stop id has had one more token computed, never yielded. Each sequence has its own sampler, ``max_tokens`` and stop
-ids; a stop id ends it unyielded, as in ``Model.generate``. A sequence that ends releases its
+ids; a stop id ends it unyielded, as in ``Model.generate``. With a ``PrefixCache``, a sequence
+that has read its whole prompt leaves a copy of its caches there, and one admitted later starts
+from the kept prompt that shares most of its own (``cached_tokens``), prefilling only the rest. A sequence that ends releases its
 pages at once (``BatchedCaches.release``). A sequence's tokens do not depend on its
 neighbours: rows are independent in every layer, and attention masks each sequence to its own
 positions (a padded batch changes the order of floating-point sums only).
@@ -37,6 +39,7 @@ from butter_core.batched import BatchedCaches, SequenceHandle
 from butter_core.engine import Engine, TokenIds
 from butter_core.errors import ConfigError
 from butter_core.generation import check_request
+from butter_core.prefix_cache import PrefixCache
 from butter_core.sampling import GREEDY, Sampler
 
 
@@ -65,8 +68,10 @@ class BatchGeneration:
     model's end-of-sequence ids)."""
 
     def __init__(self, engine: Engine, caches: BatchedCaches, *, stop_ids: Collection[int] = (),
-                 prefill_chunk: int | None = None):  # fmt: skip
+                 prefill_chunk: int | None = None, prefix_cache: PrefixCache | None = None):  # fmt: skip
         self.engine = engine
+        self.prefix_cache = prefix_cache
+        """Where prompts read whole are kept, and joining sequences start from (None: no reuse)."""
         self.stop_ids = frozenset(stop_ids)
         self.caches = caches
         chunk = self.engine.prefill_chunk if prefill_chunk is None else prefill_chunk
@@ -77,6 +82,8 @@ class BatchGeneration:
         self._running: dict[int, _Request] = {}
         self.finish_reasons: dict[int, str] = {}
         """Sequence id -> "stop", "length" or "cancelled", once it has ended."""
+        self.cached_tokens: dict[int, int] = {}
+        """Sequence id -> prompt tokens it took from the prefix cache, once it is admitted."""
         self._in_flight: tuple[list[int], mx.array | None] = ([], None)
         """The sequences whose tokens the last step sampled, and those tokens (not read yet)."""
         self._next_id = 0
@@ -158,6 +165,7 @@ class BatchGeneration:
                 request.fed += count
                 if request.fed == request.prompt.size:
                     sampled.append((sequence_id, request.sampler(logits[row])))
+                    self._keep_prompt(request)
             if len(sampled) == len(decoding):
                 mx.async_eval(logits)
         for sequence_id, token in sampled:
@@ -207,7 +215,19 @@ class BatchGeneration:
                 break
             request.handle = self.caches.open()
             self.caches.reserve(request.handle, positions)
+            hit = None if self.prefix_cache is None else self.prefix_cache.lookup(request.prompt.tolist())
+            if hit is not None:
+                self.caches.import_sequence(request.handle, hit.snapshot, hit.positions)
+                request.fed = hit.positions
+            self.cached_tokens[sequence_id] = request.fed
             self._running[sequence_id] = self._waiting.pop(sequence_id)
+
+    def _keep_prompt(self, request: _Request) -> None:
+        """Keep the prompt ``request`` has just read whole in the prefix cache (unless kept already)."""
+        if self.prefix_cache is not None:
+            prompt = request.prompt.tolist()
+            if prompt not in self.prefix_cache:
+                self.prefix_cache.insert(prompt, self.caches.export_sequence(request.handle))
 
     def _emit(self, sequence_id: int, token: int, produced: list[tuple[int, int]]) -> None:
         request = self._running[sequence_id]

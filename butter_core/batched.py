@@ -87,6 +87,28 @@ class _Sequence:
     length: int = 0
 
 
+@attrs.frozen(eq=False)
+class SequenceSnapshot:
+    """One sequence's contents at ``length`` positions, copied out of batched storage in each layer's own
+    encoded form (``BatchedCaches.export_sequence``): an attention layer's slots by buffer name, each
+    ``[1, heads, slots, width]``, with its ``SequenceState``'s row under ``state.<name>``; a recurrent
+    layer's ``conv`` and ``state`` rows."""
+
+    length: int
+    layers: list[dict[str, mx.array]]
+    truncatable: bool
+    """Whether a prefix of it may be imported too: no recurrent layer, and no window has wrapped (a
+    recurrent state, or a ring past its first turn, holds its positions only all together)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for layer in self.layers for array in layer.values())
+
+    def usable(self, positions: int) -> bool:
+        """Whether ``import_sequence`` can take its first ``positions`` positions."""
+        return positions == self.length or (self.truncatable and 0 < positions < self.length)
+
+
 class BatchedCaches:
     """Every attention layer's paged storage for many sequences (see the module docstring).
 
@@ -211,6 +233,57 @@ class BatchedCaches:
                 f"sequence slot {handle.slot} (generation {handle.generation}) was released{now}: its handle is stale"
             )
         return sequence
+
+    # -- snapshots ----------------------------------------------------------------
+
+    def export_sequence(self, handle: SequenceHandle) -> SequenceSnapshot:
+        """A copy of the sequence's contents now (evaluated, so that it holds no reference to the pages,
+        which the next write would otherwise have to copy whole)."""
+        sequence = self._get(handle)
+        table = mx.array([sequence.pages], dtype=mx.int32)
+        layers = []
+        for index, storage in enumerate(self.storage):
+            if isinstance(storage, StatePool):
+                layers.append({"conv": storage.conv[handle.slot], "state": storage.state[handle.slot]})
+                continue
+            layer = storage.read_at(page_slots(table, self.page_size, self._slots_of(index, sequence.length)))
+            state = self.states[index]
+            if state is not None:
+                layer.update({f"state.{name}": array for name, array in state.export(handle.slot).items()})
+            layers.append(layer)
+        mx.eval(layers)
+        truncatable = not self.has_state_pools and all(w is None or sequence.length <= w.max_size for w in self.windows)
+        return SequenceSnapshot(sequence.length, layers, truncatable)
+
+    def import_sequence(self, handle: SequenceHandle, snapshot: SequenceSnapshot, positions: int) -> None:
+        """Make an empty sequence, whose pages hold ``positions`` positions (``reserve``), hold the first
+        ``positions`` of ``snapshot`` (``SequenceSnapshot.usable``), taken of a sequence of these caches."""
+        sequence = self._get(handle)
+        if sequence.length:
+            raise ConfigError(f"sequence slot {handle.slot} holds {sequence.length} positions: import into an empty one")
+        if not snapshot.usable(positions) or len(snapshot.layers) != len(self.storage):
+            raise ConfigError(f"this snapshot of {snapshot.length} positions cannot give its first {positions} "
+                              f"(a prefix of it is usable: {snapshot.truncatable})")  # fmt: skip
+        if self.slots_for(positions) > len(sequence.pages) * self.page_size:
+            raise OutOfPagesError(f"sequence slot {handle.slot} holds pages for {len(sequence.pages) * self.page_size} "
+                                  f"slots, not {self.slots_for(positions)}: reserve them first")  # fmt: skip
+        table = mx.array([sequence.pages], dtype=mx.int32)
+        for index, (storage, layer) in enumerate(zip(self.storage, snapshot.layers)):
+            if isinstance(storage, StatePool):
+                storage.conv[handle.slot], storage.state[handle.slot] = layer["conv"], layer["state"]
+                continue
+            slots = self._slots_of(index, positions)
+            rows = {name: array[:, :, :slots] for name, array in layer.items() if not name.startswith("state.")}
+            storage.write_at(page_slots(table, self.page_size, slots).reshape(-1), rows)
+            state = self.states[index]
+            if state is not None:
+                state.restore(handle.slot, {n[len("state."):]: a for n, a in layer.items() if n.startswith("state.")}, slots)
+        sequence.length = positions
+
+    def _slots_of(self, index: int, positions: int) -> int:
+        """Slots a sequence of ``positions`` positions uses in attention layer ``index``."""
+        window = self.windows[index]
+        return positions if window is None else min(positions, window.max_size)
 
     # -- bytes -------------------------------------------------------------------
 

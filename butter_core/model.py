@@ -24,6 +24,7 @@ from butter_core.engine import Engine, TokenIds
 from butter_core.errors import ButterWarning, ConfigError, ModelLoadError
 from butter_core.generation import Generation
 from butter_core.loading.resolve import resolve_model
+from butter_core.prefix_cache import PrefixCache
 from butter_core.loading.weights import WeightOptions, WeightSummary, load_network
 from butter_core.models import DecoderModel
 from butter_core.sampling import Sampler
@@ -87,11 +88,14 @@ class Model:
         rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
-    def generate_batch(self, caches: BatchedCaches, *, prefill_chunk: int | None = None) -> BatchGeneration:
+    def generate_batch(self, caches: BatchedCaches, *, prefill_chunk: int | None = None,
+                       prefix_cache: PrefixCache | None = None) -> BatchGeneration:  # fmt: skip
         """Continuous batching over ``caches`` (``self.engine.make_batched_caches(capacity_tokens=...)``):
         ``add`` sequences, iterate for ``(sequence_id, token_id)``; a sequence stops at the model's
-        end-of-sequence ids unless ``add`` gives others."""
-        return BatchGeneration(self.engine, caches, stop_ids=self.tokenizer.eos_token_ids, prefill_chunk=prefill_chunk)
+        end-of-sequence ids unless ``add`` gives others. With ``prefix_cache`` (``PrefixCache(max_bytes)``),
+        prompts read whole are kept and later prompts that share a prefix with one start from it."""
+        return BatchGeneration(self.engine, caches, stop_ids=self.tokenizer.eos_token_ids, prefill_chunk=prefill_chunk,
+                               prefix_cache=prefix_cache)  # fmt: skip
 
     def generate(
         self,

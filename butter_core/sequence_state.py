@@ -54,6 +54,15 @@ class SequenceState:
         where there is no such kernel here, and the pages are gathered, decoded and ``read``."""
         return None
 
+    def export(self, row: int) -> dict[str, mx.array]:
+        """What row ``row`` holds, as arrays (``BatchedCaches.export_sequence``: the prefix cache)."""
+        raise NotImplementedError
+
+    def restore(self, row: int, arrays: dict[str, mx.array], slots: int) -> None:
+        """Make row ``row`` hold an ``export``, of this layer's state, keeping only what describes slots
+        ``[0, slots)`` (a prefix of the exported sequence, whose later slots are not restored)."""
+        raise NotImplementedError
+
     def arrays(self) -> list[mx.array]:
         """The arrays it holds (rows for every sequence slot), for byte accounting."""
         return []

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -106,9 +107,7 @@ def post(port: int, path: str, body: bytes | dict) -> tuple[int, dict, dict]:
 def test_models_and_health(served):
     scheduler, port = served
     assert [m.id for m in client(port).models.list().data] == ["tiny"]
-    connection = http.client.HTTPConnection("127.0.0.1", port)
-    connection.request("GET", "/health")
-    health = json.loads(connection.getresponse().read())
+    health = _health(port)
     assert health["status"] == "ok" and health["pages"] == scheduler.caches.num_pages
 
 
@@ -329,3 +328,31 @@ def test_a_request_beyond_the_models_context_is_refused_as_generate_refuses_it(s
     status, _, answer = post(port, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 600})
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
     assert "max_tokens 600 need 609 positions, but the KV cache holds 512" in answer["error"]["message"]
+
+
+def test_prompts_sharing_a_prefix_reuse_it_and_report_cached_tokens(model):
+    """With a prefix cache: the same question again reuses all but its last prompt token, and the next
+    turn of the conversation reuses the first turn's prompt; answers are those of `generate` alone."""
+    with running(model, max_sessions=2, max_queue=4, prefix_cache_bytes=10**7) as (scheduler, port):
+        first_prompt = chat_prompt(model)
+        text, _ = expected_text(model, first_prompt, 8)
+        replies = [client(port).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=8, temperature=0)
+                   for _ in range(2)]  # fmt: skip
+        assert [r.choices[0].message.content for r in replies] == [text, text]
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, len(first_prompt) - 1]
+        turn = [*QUESTION, {"role": "assistant", "content": text}, {"role": "user", "content": "And of Spain?"}]
+        second_prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(turn), add_special_tokens=False)
+        shared = len(os.path.commonprefix([first_prompt, second_prompt]))
+        reply = client(port).chat.completions.create(model="tiny", messages=turn, max_tokens=8, temperature=0)
+        assert reply.usage.prompt_tokens_details.cached_tokens == shared > 0
+        assert reply.choices[0].message.content == expected_text(model, second_prompt, 8)[0]
+        wait_until_idle(scheduler)
+        ledger = scheduler.ledger()
+        assert ledger.prefix_cache_entries >= 1 and 0 < ledger.prefix_cache_bytes <= 10**7
+        assert _health(port)["prefix_cache_entries"] == ledger.prefix_cache_entries
+
+
+def _health(port: int) -> dict:
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    connection.request("GET", "/health")
+    return json.loads(connection.getresponse().read())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from butter_core.cli.model_options import add_model_arguments, load_model, non_negative_int, positive_int
-from butter_core.serving.server import KV_MEMORY_FRACTION, serve
+from butter_core.serving.server import KV_MEMORY_FRACTION, PREFIX_CACHE_FRACTION, serve
 
 
 def add_parser(sub) -> None:
@@ -20,6 +20,9 @@ def add_parser(sub) -> None:
     parser.add_argument("--kv-memory", type=positive_int, metavar="BYTES",
                         help=f"bytes of KV cache pages, allocated at start (default {KV_MEMORY_FRACTION * 100:.0f}%% of the "
                              "device's memory, at most what --max-sessions whole contexts use)")  # fmt: skip
+    parser.add_argument("--prefix-cache-bytes", type=non_negative_int, metavar="BYTES",
+                        help=f"bytes of prompts kept across requests, in the scheme's encoded form, least recently "
+                             f"used evicted; 0 turns reuse off (default {PREFIX_CACHE_FRACTION * 100:.0f}%% of --kv-memory)")  # fmt: skip
     parser.add_argument("--max-tokens", type=positive_int, default=512, metavar="N",
                         help="a chat request's max_tokens when it gives none (default 512)")  # fmt: skip
     parser.set_defaults(run=run)
@@ -30,5 +33,6 @@ def run(args) -> int:
     model_id = args.model or "default"
     print(f"butter serve: {model_id} on http://{args.host}:{args.port}/v1 (kv cache {args.kv_cache})", file=sys.stderr)
     serve(model, host=args.host, port=args.port, kv_memory=args.kv_memory, max_sessions=args.max_sessions,
-          max_queue=args.max_queue, default_max_tokens=args.max_tokens, model_id=model_id)  # fmt: skip
+          max_queue=args.max_queue, default_max_tokens=args.max_tokens, model_id=model_id,
+          prefix_cache_bytes=args.prefix_cache_bytes)  # fmt: skip
     return 0

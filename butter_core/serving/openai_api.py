@@ -87,7 +87,9 @@ class _Api:
         ledger = self.scheduler.ledger()
         return JSONResponse({"status": "ok", "model": self.model_id, "waiting": ledger.waiting, "running": ledger.running,
                              "pages_reserved": ledger.pages_reserved, "pages": ledger.pages,
-                             "bytes_reserved": ledger.bytes_reserved, "bytes_total": ledger.bytes_total})  # fmt: skip
+                             "bytes_reserved": ledger.bytes_reserved, "bytes_total": ledger.bytes_total,
+                             "prefix_cache_entries": ledger.prefix_cache_entries,
+                             "prefix_cache_bytes": ledger.prefix_cache_bytes})  # fmt: skip
 
     async def models(self, request: Request) -> JSONResponse:
         model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "butter"}
@@ -255,7 +257,7 @@ class _Completion:
     def usage(self) -> dict:
         prompt = self.ticket.prompt_tokens
         return {"prompt_tokens": prompt, "completion_tokens": self.tokens, "total_tokens": prompt + self.tokens,
-                "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+                "prompt_tokens_details": {"cached_tokens": self.ticket.cached_tokens}}  # fmt: skip
 
     async def whole(self) -> dict:
         reason = "stop"

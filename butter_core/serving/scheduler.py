@@ -17,6 +17,10 @@ Three limits, checked in this order:
   position); a request that could never fit is refused at ``submit`` (``ConfigError``). The
   pages a request holds are released when it ends, however it ends; ``ledger`` reports what is
   reserved, so a test can check that nothing leaked.
+
+With ``prefix_cache_bytes``, prompts read whole are kept in a ``PrefixCache`` of that many bytes
+(in the scheme's encoded form, apart from the pages), and a request whose prompt shares a prefix
+with a kept one prefills only the rest; its ``Ticket.cached_tokens`` says how many it reused.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from butter_core.batch_generation import BatchGeneration
 from butter_core.batched import BatchedCaches
 from butter_core.errors import ButterError
 from butter_core.model import Model
+from butter_core.prefix_cache import PrefixCache
 from butter_core.sampling import Sampler
 
 
@@ -60,7 +65,7 @@ class Finished:
 @attrs.frozen
 class Ledger:
     """What the scheduler holds now: requests waiting and running, pages reserved of all pages, and
-    the bytes those pages take."""
+    the bytes those pages take; prompts kept in the prefix cache and their bytes."""
 
     waiting: int
     running: int
@@ -68,6 +73,8 @@ class Ledger:
     pages: int
     bytes_reserved: int
     bytes_total: int
+    prefix_cache_entries: int = 0
+    prefix_cache_bytes: int = 0
 
 
 class Ticket:
@@ -78,6 +85,8 @@ class Ticket:
         self._loop = loop
         self._queue: asyncio.Queue[Token | Finished] = asyncio.Queue()
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+        """Prompt tokens taken from the prefix cache (set when the request is admitted)."""
         self.sequence_id: int | None = None
         self.finished: Finished | None = None
 
@@ -110,10 +119,11 @@ class Scheduler:
     sequence slots; ``start`` runs its thread, ``close`` stops it (ending every request)."""
 
     def __init__(self, model: Model, *, capacity_tokens: int, max_sessions: int = 8, max_queue: int = 64,
-                 prefill_chunk: int | None = None):  # fmt: skip
+                 prefill_chunk: int | None = None, prefix_cache_bytes: int | None = None):  # fmt: skip
         self.model = model
         self.max_sessions, self.max_queue = max_sessions, max_queue
         self._capacity_tokens, self._prefill_chunk = capacity_tokens, prefill_chunk
+        self._prefix_cache_bytes = prefix_cache_bytes
         self._fresh_batch()
         self._lock = threading.Condition()
         self._incoming: list[_Submission] = []
@@ -124,10 +134,12 @@ class Scheduler:
         self._thread = threading.Thread(target=_serve_then_park, args=(self,), name="butter-scheduler", daemon=True)
 
     def _fresh_batch(self) -> None:
-        """New caches and a new batch over them (at start, and after a step failed)."""
+        """New caches, prefix cache and batch (at start, and after a step failed)."""
         self.caches: BatchedCaches = self.model.engine.make_batched_caches(self._capacity_tokens,
                                                                            max_sequences=self.max_sessions)  # fmt: skip
-        self._batch: BatchGeneration = self.model.generate_batch(self.caches, prefill_chunk=self._prefill_chunk)
+        self.prefix_cache = PrefixCache(self._prefix_cache_bytes) if self._prefix_cache_bytes else None
+        self._batch: BatchGeneration = self.model.generate_batch(self.caches, prefill_chunk=self._prefill_chunk,
+                                                                 prefix_cache=self.prefix_cache)  # fmt: skip
 
     # -- the handlers' side (any thread) -------------------------------------------
 
@@ -169,7 +181,9 @@ class Scheduler:
         caches = self.caches
         reserved = caches.num_pages - caches.free_pages
         per_page = caches.bytes_per_position * caches.page_size
-        return Ledger(waiting, running, reserved, caches.num_pages, reserved * per_page, caches.nbytes_allocated)
+        prefix = self.prefix_cache
+        return Ledger(waiting, running, reserved, caches.num_pages, reserved * per_page, caches.nbytes_allocated,
+                      0 if prefix is None else len(prefix), 0 if prefix is None else prefix.nbytes)  # fmt: skip
 
     def _waiting_now(self) -> int:
         return len(self._incoming) + self._batch.active - self._batch.running
@@ -219,6 +233,9 @@ class Scheduler:
             self._fresh_batch()
             mx.clear_cache()
             return
+        for sequence_id, ticket in self._tickets.items():
+            if sequence_id in self._batch.cached_tokens:
+                ticket.cached_tokens = self._batch.cached_tokens.pop(sequence_id)
         for sequence_id, token_id in produced:
             self._tickets[sequence_id]._put(Token(token_id))
         for sequence_id in [i for i in self._tickets if i in self._batch.finish_reasons]:
@@ -227,7 +244,8 @@ class Scheduler:
     def _finish(self, sequence_id: int) -> None:
         ticket = self._tickets.pop(sequence_id, None)
         if ticket is not None:
-            ticket._put(Finished(self._batch.finish_reasons.get(sequence_id, "cancelled")))
+            ticket._put(Finished(self._batch.finish_reasons.pop(sequence_id, "cancelled")))
+        self._batch.cached_tokens.pop(sequence_id, None)
 
 
 _PARKED = threading.Event()

@@ -21,6 +21,8 @@ from butter_core.serving.scheduler import Scheduler
 
 KV_MEMORY_FRACTION = 0.25
 """Of the device's memory, what the caches take when ``kv_memory`` is not given."""
+PREFIX_CACHE_FRACTION = 0.25
+"""Of the caches' bytes (``kv_memory``), what the prefix cache keeps when ``prefix_cache_bytes`` is not given."""
 
 
 def device_memory() -> int:
@@ -47,10 +49,14 @@ def capacity_for(model: Model, kv_memory: int, max_sessions: int) -> int:
 
 
 def serve(model: Model, *, host: str, port: int, kv_memory: int | None, max_sessions: int, max_queue: int,
-          default_max_tokens: int, model_id: str) -> None:  # fmt: skip
-    """Serve ``model`` until interrupted."""
-    capacity = capacity_for(model, kv_memory or int(device_memory() * KV_MEMORY_FRACTION), max_sessions)
-    scheduler = Scheduler(model, capacity_tokens=capacity, max_sessions=max_sessions, max_queue=max_queue)
+          default_max_tokens: int, model_id: str, prefix_cache_bytes: int | None = None) -> None:  # fmt: skip
+    """Serve ``model`` until interrupted (``prefix_cache_bytes`` 0: no prefix cache; None: the default)."""
+    kv_memory = kv_memory or int(device_memory() * KV_MEMORY_FRACTION)
+    capacity = capacity_for(model, kv_memory, max_sessions)
+    if prefix_cache_bytes is None:
+        prefix_cache_bytes = int(kv_memory * PREFIX_CACHE_FRACTION)
+    scheduler = Scheduler(model, capacity_tokens=capacity, max_sessions=max_sessions, max_queue=max_queue,
+                          prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
     scheduler.start()
     try:
         uvicorn.run(make_app(scheduler, model_id, default_max_tokens=default_max_tokens), host=host, port=port,

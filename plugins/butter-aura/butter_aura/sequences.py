@@ -50,6 +50,20 @@ class FullPrecisionRows(SequenceState):
         self.recent[row] = [-1] * self.budget.ring
         self.recent_positions[row] = [-1] * self.budget.ring
 
+    def export(self, row: int) -> dict[str, mx.array]:
+        rows = slice(row * self.budget.rows, (row + 1) * self.budget.rows)
+        return {"keys": self.keys[rows], "values": self.values[rows],
+                "recent": mx.array(self.recent[row], dtype=mx.int32),
+                "recent_positions": mx.array(self.recent_positions[row], dtype=mx.int32)}  # fmt: skip
+
+    def restore(self, row: int, arrays: dict[str, mx.array], slots: int) -> None:
+        """As ``AuraCache.truncate`` keeps them: a recent row whose slot is past ``slots`` is free."""
+        rows = slice(row * self.budget.rows, (row + 1) * self.budget.rows)
+        self.keys[rows], self.values[rows] = arrays["keys"], arrays["values"]
+        kept = [s < slots for s in arrays["recent"].tolist()]
+        self.recent[row] = [s if k else -1 for s, k in zip(arrays["recent"].tolist(), kept)]
+        self.recent_positions[row] = [p if k else -1 for p, k in zip(arrays["recent_positions"].tolist(), kept)]
+
     def write(self, rows: Sequence[int], written: Sequence[Written], keys: mx.array, values: mx.array) -> None:
         """Copy the written sinks, and the rows that are now the newest position of their recent row
         (of two positions whose slots share a row, the newer keeps it)."""
