@@ -10,9 +10,9 @@
         if sequence_id == first and token == 13:
             batch.add(model.encode_prompt("A second prompt"))   # joins at the next step
 
-Each ``step``: admit waiting sequences whose prompt and ``max_tokens`` fit the free pages (in
-the order they were added, while a sequence slot is free; a sequence's pages are all taken
-at admission, so a running sequence never runs out of room), decode one token for every running sequence in one forward
+Each ``step``: admit waiting sequences whose prompt and ``max_tokens`` fit the free pages less
+those promised to running ones (in the order they were added, while a sequence slot is free),
+decode one token for every running sequence in one forward
 (``[sequences, 1]``), then prefill the next chunks of the admitted sequences still reading their
 prompts, in admission order, as many as fit ``prefill_chunk`` tokens padded to the longest
 (``[sequences, tokens]``, each sequence taking its own count: ``BatchedStep``; with recurrent
@@ -23,7 +23,14 @@ sequence that reads a stop id has had one more token computed, never yielded. Ea
 ids; a stop id ends it unyielded, as in ``Model.generate``. With a ``PrefixCache``, a sequence
 that has read its whole prompt leaves a copy of its caches there, and one admitted later starts
 from the kept prompt that shares most of its own (``cached_tokens``), prefilling only the rest. A sequence that ends releases its
-pages at once (``BatchedCaches.release``). A sequence's tokens do not depend on its
+pages at once (``BatchedCaches.release``).
+
+Demand admission: a sequence is admitted with a liability, the pages its prompt plus
+``max_tokens`` need, and takes them as it grows (before each step, the pages its new positions
+need). The pages free for admission are the free pages less every running sequence's liability
+not yet taken (``promised_pages``), so a running sequence never runs out of room; its
+reservation is reconciled with its growth step by step, and one that stops early never takes the
+rest. A sequence's tokens do not depend on its
 neighbours: rows are independent in every layer, and attention masks each sequence to its own
 positions (a padded batch changes the order of floating-point sums only).
 """
@@ -56,6 +63,8 @@ class _Request:
     """Tokens sampled so far, the last possibly not yet read."""
     generated: int = 0
     """Tokens read (yielded, or the stop id that ended it)."""
+    liability: int = 0
+    """Pages its prompt plus ``max_tokens`` need, promised at admission."""
     pending: mx.array | None = None
     """The last token sampled, on the device, to be fed at the next decode step (None: none to
     feed; the last of ``max_tokens`` is never fed)."""
@@ -134,6 +143,11 @@ class BatchGeneration:
         return len(self._waiting) + len(self._running)
 
     @property
+    def promised_pages(self) -> int:
+        """Pages running sequences may still take: their liabilities less the pages they hold."""
+        return sum(r.liability - self.caches.pages_held(r.handle) for r in self._running.values())
+
+    @property
     def running(self) -> int:
         """Sequences admitted (holding pages), prefilling or decoding."""
         return len(self._running)
@@ -151,6 +165,7 @@ class BatchGeneration:
         decoding = [i for i, r in self._running.items() if r.pending is not None]
         if decoding:
             requests = [self._running[i] for i in decoding]
+            self._grow(requests, [1] * len(requests))
             ids = mx.stack([r.pending for r in requests])[:, None]
             logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests])
             sampled += [(i, r.sampler(logits[row])) for row, (i, r) in enumerate(zip(decoding, requests))]
@@ -158,6 +173,7 @@ class BatchGeneration:
         if group:
             requests = [self._running[i] for i in group]
             counts = [self._chunk(r) for r in requests]
+            self._grow(requests, counts)
             width = max(counts)
             ids = mx.stack([mx.pad(r.prompt[r.fed : r.fed + n], (0, width - n)) for r, n in zip(requests, counts)])
             logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests], counts)
@@ -182,6 +198,11 @@ class BatchGeneration:
                 if sequence_id in self._running:  # not ended or cancelled since
                     self._emit(sequence_id, token, produced)
         return produced
+
+    def _grow(self, requests: list[_Request], counts: list[int]) -> None:
+        """Give each request the pages for its next ``counts`` positions, out of its liability."""
+        for request, count in zip(requests, counts):
+            self.caches.reserve(request.handle, self.caches.length(request.handle) + count)
 
     def _chunk(self, request: _Request) -> int:
         """The prompt tokens ``request`` prefills next: at most ``prefill_chunk``."""
@@ -210,13 +231,13 @@ class BatchGeneration:
 
     def _admit(self) -> None:
         for sequence_id, request in list(self._waiting.items()):
-            positions = request.prompt.size + request.max_tokens
-            if self.caches.pages_for(positions) > self.caches.free_pages or not self.caches.free_sequences:
+            liability = self.caches.pages_for(request.prompt.size + request.max_tokens)
+            if liability > self.caches.free_pages - self.promised_pages or not self.caches.free_sequences:
                 break
-            request.handle = self.caches.open()
-            self.caches.reserve(request.handle, positions)
+            request.handle, request.liability = self.caches.open(), liability
             hit = None if self.prefix_cache is None else self.prefix_cache.lookup(request.prompt.tolist())
             if hit is not None:
+                self.caches.reserve(request.handle, hit.positions)
                 self.caches.import_sequence(request.handle, hit.snapshot, hit.positions)
                 request.fed = hit.positions
             self.cached_tokens[sequence_id] = request.fed

@@ -196,6 +196,10 @@ class BatchedCaches:
         """Positions the sequence holds."""
         return self._get(handle).length
 
+    def pages_held(self, handle: SequenceHandle) -> int:
+        """Pages the sequence holds."""
+        return len(self._get(handle).pages)
+
     def reserve(self, handle: SequenceHandle, positions: int) -> None:
         """Give the sequence pages for ``positions`` positions in all, or raise ``OutOfPagesError``
         (nothing taken) when the free pages do not hold them."""

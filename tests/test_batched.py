@@ -326,3 +326,28 @@ def test_random_joins_steps_and_cancellations(model_dir):
     BatchMachine.model = _model(str(model_dir), "raw")
     BatchMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
     BatchMachine.TestCase().runTest()
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_reservation_is_taken_as_the_sequence_grows_and_promised_pages_are_not_admitted(model_dir):
+    """A sequence is admitted with the pages its prompt plus max_tokens need and takes them step by
+    step; pages promised to it are not free for admission, so a second sequence whose liability
+    needs them waits, though the pages are free, until the first ends."""
+    model = _model(str(model_dir), "raw")
+    caches = model.engine.make_batched_caches(capacity_tokens=64, page_size=8)  # 8 pages
+    batch = model.generate_batch(caches)
+    first = batch.add([5, 6, 7, 8, 9], max_tokens=30, stop_ids=())  # 35 positions: 5 pages
+    second = batch.add([5, 6, 7, 8, 9], max_tokens=20, stop_ids=())  # 25 positions: 4 pages
+    held = []
+    while first not in batch.finish_reasons:
+        batch.step()
+        if first in batch.finish_reasons:
+            break
+        assert batch.running == 1 and batch.active == 2
+        held.append(caches.num_pages - caches.free_pages)
+        assert held[-1] + batch.promised_pages == 5
+    assert held[0] == 1 and held[-1] == 5 and held == sorted(held)
+    batch.step()
+    assert batch.running == 1 and second not in batch.finish_reasons
+    list(batch)
+    assert caches.free_pages == caches.num_pages and batch.promised_pages == 0

@@ -86,7 +86,7 @@ class _Api:
     async def health(self, request: Request) -> JSONResponse:
         ledger = self.scheduler.ledger()
         return JSONResponse({"status": "ok", "model": self.model_id, "waiting": ledger.waiting, "running": ledger.running,
-                             "pages_reserved": ledger.pages_reserved, "pages": ledger.pages,
+                             "pages_reserved": ledger.pages_reserved, "pages_held": ledger.pages_held, "pages": ledger.pages,
                              "bytes_reserved": ledger.bytes_reserved, "bytes_total": ledger.bytes_total,
                              "prefix_cache_entries": ledger.prefix_cache_entries,
                              "prefix_cache_bytes": ledger.prefix_cache_bytes})  # fmt: skip

@@ -12,11 +12,12 @@ Three limits, checked in this order:
   added and never passes one that does not fit).
 - *Bounded queue*: at most ``max_sessions + max_queue`` requests are in the scheduler; ``submit``
   refuses one more at once (``QueueFull``: the server answers 429 with ``Retry-After``).
-- *Demand admission*: a request is admitted only when the free pages hold its prompt plus
-  ``max_tokens`` (its liability, reserved whole at admission, in the scheme's own bytes per
-  position); a request that could never fit is refused at ``submit`` (``ConfigError``). The
-  pages a request holds are released when it ends, however it ends; ``ledger`` reports what is
-  reserved, so a test can check that nothing leaked.
+- *Demand admission*: a request is admitted only when the pages free and not promised to
+  running requests hold its prompt plus ``max_tokens`` (its liability, in the scheme's own bytes
+  per position); it takes them as it grows, so its reservation is reconciled with its growth
+  step by step (``BatchGeneration``). A request that could never fit is refused at ``submit``
+  (``ConfigError``). The pages a request holds and its promise are released when it ends,
+  however it ends; ``ledger`` reports both, so a test can check that nothing leaked.
 
 With ``prefix_cache_bytes``, prompts read whole are kept in a ``PrefixCache`` of that many bytes
 (in the scheme's encoded form, apart from the pages), and a request whose prompt shares a prefix
@@ -64,12 +65,15 @@ class Finished:
 
 @attrs.frozen
 class Ledger:
-    """What the scheduler holds now: requests waiting and running, pages reserved of all pages, and
-    the bytes those pages take; prompts kept in the prefix cache and their bytes."""
+    """What the scheduler holds now: requests waiting and running, pages reserved (held or promised)
+    and held of all pages, and the bytes reserved and allocated; prompts kept in the prefix cache and their bytes."""
 
     waiting: int
     running: int
     pages_reserved: int
+    """Pages running requests hold or are promised."""
+    pages_held: int
+    """Pages running requests hold now: their observed growth."""
     pages: int
     bytes_reserved: int
     bytes_total: int
@@ -126,6 +130,7 @@ class Scheduler:
         self._prefix_cache_bytes = prefix_cache_bytes
         self._fresh_batch()
         self._lock = threading.Condition()
+        self._publish()
         self._incoming: list[_Submission] = []
         self._cancels: list[Ticket] = []
         self._tickets: dict[int, Ticket] = {}
@@ -175,18 +180,23 @@ class Scheduler:
                 self._lock.notify()
 
     def ledger(self) -> Ledger:
+        """What the scheduler's thread last published (``_publish``), with the requests submitted since."""
         with self._lock:
-            waiting = self._waiting_now()
-            running = self._batch.running
+            active, running, held, reserved, prefix_entries, prefix_bytes = self._published
+            waiting = len(self._incoming) + active - running
         caches = self.caches
-        reserved = caches.num_pages - caches.free_pages
         per_page = caches.bytes_per_position * caches.page_size
-        prefix = self.prefix_cache
-        return Ledger(waiting, running, reserved, caches.num_pages, reserved * per_page, caches.nbytes_allocated,
-                      0 if prefix is None else len(prefix), 0 if prefix is None else prefix.nbytes)  # fmt: skip
+        return Ledger(waiting, running, reserved, held, caches.num_pages, reserved * per_page, caches.nbytes_allocated,
+                      prefix_entries, prefix_bytes)  # fmt: skip
 
-    def _waiting_now(self) -> int:
-        return len(self._incoming) + self._batch.active - self._batch.running
+    def _publish(self, arriving: int = 0) -> None:
+        """Record, holding the lock, what ``ledger`` reports: the batch and caches are touched on the
+        scheduler's thread only, and a handler reads this copy (``arriving``: requests taken from the
+        incoming list and not yet added)."""
+        batch, caches, prefix = self._batch, self.caches, self.prefix_cache
+        held = caches.num_pages - caches.free_pages
+        self._published = (batch.active + arriving, batch.running, held, held + batch.promised_pages,
+                           0 if prefix is None else len(prefix), 0 if prefix is None else prefix.nbytes)  # fmt: skip
 
     # -- the scheduler's thread ----------------------------------------------------
 
@@ -199,6 +209,7 @@ class Scheduler:
                     break
                 incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
+                self._publish(arriving=len(incoming))
             for submission in incoming:
                 self._add(submission)
             for ticket in cancels:
@@ -207,9 +218,13 @@ class Scheduler:
                     self._finish(ticket.sequence_id)
             if self._batch.active:
                 self._step()
+            with self._lock:
+                self._publish()
         for sequence_id in list(self._tickets):
             self._batch.cancel(sequence_id)
             self._finish(sequence_id)
+        with self._lock:
+            self._publish()
         mx.synchronize()
 
     def _add(self, submission: _Submission) -> None:
