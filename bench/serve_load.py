@@ -6,15 +6,18 @@ mlx_lm server``), a fresh server process on loopback serves the same model direc
 engines load; ``--model`` another, e.g. a float32 one both run dense). ``--clients`` chat requests
 are sent at once, each asking a different question for ``--max-tokens`` greedy tokens, streamed
 (a request's ``model`` is the folder's path, which mlx-lm's server needs and butter's ignores); ``--disconnect`` of them (chosen at random) close
-their stream after a random number of tokens. Reported per engine: requests per second
+their stream after a random number of tokens. With ``--system-words N`` every request starts with the
+same system message of N words (a shared prefix: what the prefix cache reuses; the engine
+``butter-noprefix`` is butter with ``--prefix-cache-bytes 0``). Reported per engine: requests per second
 (completed streams over the wall time of the whole run), time to first token p50/p99,
-aggregate streamed tokens per second, peak resident memory of the server process, and errors.
+aggregate streamed tokens per second, the share of prompt tokens the server reports as cached
+(``usage.prompt_tokens_details.cached_tokens``), peak resident memory of the server process, and errors.
 For butter, ``/health`` must show nothing reserved after the run (no leaked pages).
 
 Usage::
 
     python bench/serve_load.py [--engines butter,mlx-lm] [--clients 64] [--disconnect 0.25]
-        [--max-tokens 64] [--max-sessions 16] [--seed 0]
+        [--max-tokens 64] [--max-sessions 16] [--system-words 0] [--seed 0]
 """
 
 from __future__ import annotations
@@ -50,11 +53,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def system_message(words: int) -> list[dict]:
+    """A system message of ``words`` words that every request shares (none for 0)."""
+    if not words:
+        return []
+    text = " ".join(f"rule {i}: answer in plain words about {TOPICS[i % len(TOPICS)]}." for i in range(words))
+    return [{"role": "system", "content": " ".join(text.split()[:words])}]
+
+
 def start(engine: str, model: str, port: int, max_sessions: int) -> subprocess.Popen:
-    if engine == "butter":
+    if engine.startswith("butter"):
         argv = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "serve",
                 "-m", model, "--port", str(port), "--max-sessions", str(max_sessions), "--max-queue", "256",
                 "--kv-memory", str(2 * 2**30)]  # fmt: skip
+        if engine == "butter-noprefix":
+            argv += ["--prefix-cache-bytes", "0"]
     else:
         argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -76,15 +89,17 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-async def one_client(client: AsyncOpenAI, model: str, index: int, leave_after: int | None, max_tokens: int) -> dict:
+async def one_client(client: AsyncOpenAI, model: str, index: int, leave_after: int | None, max_tokens: int,
+                     system: list[dict]) -> dict:  # fmt: skip
     start = time.perf_counter()
-    first, pieces, error, finish = None, 0, None, None
+    first, pieces, error, finish, usage = None, 0, None, None, None
     try:
         stream = await client.chat.completions.create(
-            model=model, stream=True, max_tokens=max_tokens, temperature=0,
-            messages=[{"role": "user", "content": f"Write a short poem about {TOPICS[index % len(TOPICS)]}."}],
+            model=model, stream=True, max_tokens=max_tokens, temperature=0, stream_options={"include_usage": True},
+            messages=[*system, {"role": "user", "content": f"Write a short poem about {TOPICS[index % len(TOPICS)]}."}],
         )  # fmt: skip
         async for chunk in stream:
+            usage = chunk.usage or usage
             if not chunk.choices:
                 continue
             if chunk.choices[0].delta.content:
@@ -96,16 +111,19 @@ async def one_client(client: AsyncOpenAI, model: str, index: int, leave_after: i
             finish = chunk.choices[0].finish_reason or finish
     except Exception as exc:  # noqa: BLE001 - counted, reported
         error = f"{type(exc).__name__}: {exc}"
+    details = usage and usage.prompt_tokens_details
     return {"first": first, "pieces": pieces, "left": leave_after is not None, "finish": finish, "error": error,
-            "seconds": time.perf_counter() - start}  # fmt: skip
+            "seconds": time.perf_counter() - start, "prompt": usage.prompt_tokens if usage else 0,
+            "cached": (details.cached_tokens or 0) if details else 0}  # fmt: skip
 
 
-async def load(port: int, model: str, clients: int, disconnect: float, max_tokens: int, seed: int) -> tuple[list[dict], float]:
+async def load(port: int, model: str, clients: int, disconnect: float, max_tokens: int, seed: int,
+               system: list[dict]) -> tuple[list[dict], float]:  # fmt: skip
     rng = random.Random(seed)
     leave = [rng.randint(1, max_tokens // 2) if rng.random() < disconnect else None for _ in range(clients)]
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=5, timeout=600)
     start = time.perf_counter()
-    results = await asyncio.gather(*(one_client(client, model, i, leave[i], max_tokens) for i in range(clients)))
+    results = await asyncio.gather(*(one_client(client, model, i, leave[i], max_tokens, system) for i in range(clients)))
     await client.close()
     return results, time.perf_counter() - start
 
@@ -123,6 +141,7 @@ def main() -> None:
     parser.add_argument("--disconnect", type=float, default=0.25)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-sessions", type=int, default=16)
+    parser.add_argument("--system-words", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     model = args.model or default_model()
@@ -131,9 +150,10 @@ def main() -> None:
         port = free_port()
         process = start(engine, model, port, args.max_sessions)
         try:
-            results, seconds = asyncio.run(load(port, model, args.clients, args.disconnect, args.max_tokens, args.seed))
+            results, seconds = asyncio.run(load(port, model, args.clients, args.disconnect, args.max_tokens, args.seed,
+                                                system_message(args.system_words)))  # fmt: skip
             leaked = None
-            if engine == "butter":
+            if engine.startswith("butter"):
                 health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())
                 time.sleep(0.5)  # the last cancellations reach the scheduler
                 health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())
@@ -153,15 +173,16 @@ def main() -> None:
             "requests/s": len(done) / seconds, "ttft p50 s": percentile(firsts, 0.5),
             "ttft p99 s": percentile(firsts, 0.99),
             "streamed tokens/s": sum(r["pieces"] for r in results) / seconds,
+            "cached prompt share": sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)),
             "peak RSS GiB": rss / 2**30, "leaked (pages + requests)": leaked, "wall s": seconds,
             "first error": next((r["error"] for r in results if r["error"]), None),
         })  # fmt: skip
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
-    print(f"model {model}; {os.cpu_count()} CPUs; max_tokens {args.max_tokens}; disconnect {args.disconnect}")
+        if len(rows) == 1:
+            print("| " + " | ".join(rows[0]) + " |")
+            print("|" + "---|" * len(rows[0]))
+        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in rows[-1].values()) + " |", flush=True)
+    print(f"model {model}; {os.cpu_count()} CPUs; max_tokens {args.max_tokens}; disconnect {args.disconnect}; "
+          f"system words {args.system_words}")
 
 
 if __name__ == "__main__":

@@ -41,18 +41,21 @@ from collections.abc import Collection, Iterator
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from butter_core.batched import BatchedCaches, SequenceHandle
 from butter_core.engine import Engine, TokenIds
 from butter_core.errors import ConfigError
 from butter_core.generation import check_request
-from butter_core.prefix_cache import PrefixCache
+from butter_core.prefix_cache import PrefixCache, shared_prefix
 from butter_core.sampling import GREEDY, Sampler
 
 
 @attrs.define
 class _Request:
     prompt: mx.array
+    tokens: np.ndarray
+    """The prompt on the host (the prefix cache's keys)."""
     max_tokens: int
     sampler: Sampler
     stop_ids: frozenset[int]
@@ -109,8 +112,9 @@ class BatchGeneration:
         self.check_fits(prompt.size, max_tokens)
         sequence_id, self._next_id = self._next_id, self._next_id + 1
         self._waiting[sequence_id] = _Request(
-            prompt, max_tokens, sampler or GREEDY, self.stop_ids if stop_ids is None else frozenset(stop_ids)
-        )
+            prompt, np.array(prompt, dtype=np.int64), max_tokens, sampler or GREEDY,
+            self.stop_ids if stop_ids is None else frozenset(stop_ids),
+        )  # fmt: skip
         return sequence_id
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -234,8 +238,10 @@ class BatchGeneration:
             liability = self.caches.pages_for(request.prompt.size + request.max_tokens)
             if liability > self.caches.free_pages - self.promised_pages or not self.caches.free_sequences:
                 break
+            if self._prefix_in_flight(request):
+                break
             request.handle, request.liability = self.caches.open(), liability
-            hit = None if self.prefix_cache is None else self.prefix_cache.lookup(request.prompt.tolist())
+            hit = None if self.prefix_cache is None else self.prefix_cache.lookup(request.tokens)
             if hit is not None:
                 self.caches.reserve(request.handle, hit.positions)
                 self.caches.import_sequence(request.handle, hit.snapshot, hit.positions)
@@ -245,10 +251,24 @@ class BatchGeneration:
 
     def _keep_prompt(self, request: _Request) -> None:
         """Keep the prompt ``request`` has just read whole in the prefix cache (unless kept already)."""
-        if self.prefix_cache is not None:
-            prompt = request.prompt.tolist()
-            if prompt not in self.prefix_cache:
-                self.prefix_cache.insert(prompt, self.caches.export_sequence(request.handle))
+        if self.prefix_cache is not None and request.tokens.tolist() not in self.prefix_cache:
+            self.prefix_cache.insert(request.tokens.tolist(), self.caches.export_sequence(request.handle))
+
+    def _prefix_in_flight(self, request: _Request) -> bool:
+        """Whether a sequence still reading its prompt will keep one that gives ``request`` at least half its
+        prompt (and a page) more than the prefix cache gives it now: then ``request`` waits for it, and the
+        shared prefix is prefilled once, not by every request that arrived together (FIFO order holds:
+        those behind it wait too)."""
+        if self.prefix_cache is None:
+            return False
+        now = self.prefix_cache.positions_for(request.tokens)
+        gain = max(self.caches.page_size, request.tokens.size // 2)
+        for other in self._running.values():
+            if other.fed < other.prompt.size:
+                shared = shared_prefix(other.tokens, request.tokens[:-1])
+                if (shared == other.tokens.size or self.caches.truncatable(other.tokens.size)) and shared - now >= gain:
+                    return True
+        return False
 
     def _emit(self, sequence_id: int, token: int, produced: list[tuple[int, int]]) -> None:
         request = self._running[sequence_id]

@@ -256,8 +256,12 @@ class BatchedCaches:
                 layer.update({f"state.{name}": array for name, array in state.export(handle.slot).items()})
             layers.append(layer)
         mx.eval(layers)
-        truncatable = not self.has_state_pools and all(w is None or sequence.length <= w.max_size for w in self.windows)
-        return SequenceSnapshot(sequence.length, layers, truncatable)
+        return SequenceSnapshot(sequence.length, layers, self.truncatable(sequence.length))
+
+    def truncatable(self, positions: int) -> bool:
+        """Whether the first positions of a sequence of ``positions`` are what a sequence holding only them
+        would hold: no recurrent layer, and no window wrapped (``SequenceSnapshot.truncatable``)."""
+        return not self.has_state_pools and all(w is None or positions <= w.max_size for w in self.windows)
 
     def import_sequence(self, handle: SequenceHandle, snapshot: SequenceSnapshot, positions: int) -> None:
         """Make an empty sequence, whose pages hold ``positions`` positions (``reserve``), hold the first

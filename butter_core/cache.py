@@ -49,6 +49,11 @@ class LayerSpec:
     ring_start`` in slot ``ring_start + (p - ring_start) % (max_positions - ring_start)``).
     None: slot ``i`` holds position ``i``. A scheme that keeps some positions apart (AURA's
     newest rows in full precision) reads it; others need not.
+
+    ``shard`` is ``(rank, ranks)`` under tensor parallelism (``butter_core.distributed``): the
+    cache holds KV heads ``[rank * n_kv_heads, (rank + 1) * n_kv_heads)`` of the layer's ``ranks *
+    n_kv_heads``. A scheme whose per-head parameters are drawn at random (AURA's rotations) draws
+    the layer's whole and keeps its share, so that a rank stores what one process stores.
     """
 
     layer_type: ClassVar[str] = ATTENTION
@@ -59,6 +64,7 @@ class LayerSpec:
     layer_index: int = 0
     batch_size: int = 1
     ring_start: int | None = None
+    shard: tuple[int, int] = (0, 1)
 
     def __attrs_post_init__(self):
         for name in ("n_kv_heads", "head_dim", "max_positions", "batch_size"):
@@ -68,6 +74,9 @@ class LayerSpec:
         start = self.ring_start
         if start is not None and (not isinstance(start, int) or not 0 <= start < self.max_positions):
             raise ConfigError(f"LayerSpec.ring_start must be None or in [0, max_positions), got {start!r}")
+        rank, ranks = self.shard
+        if not 0 <= rank < ranks:
+            raise ConfigError(f"LayerSpec.shard must be (rank, ranks) with 0 <= rank < ranks, got {self.shard!r}")
 
     def with_ring(self, max_positions: int, ring_start: int) -> LayerSpec:
         """The same layer holding ``max_positions`` slots, reused in turn from ``ring_start`` on

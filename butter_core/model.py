@@ -20,6 +20,7 @@ from butter_core.batch_generation import BatchGeneration
 from butter_core.batched import BatchedCaches
 from butter_core.cache import LayerCache
 from butter_core.config import LoadOptions
+from butter_core.distributed import shard_network, world
 from butter_core.engine import Engine, TokenIds
 from butter_core.errors import ButterWarning, ConfigError, ModelLoadError
 from butter_core.generation import Generation
@@ -65,6 +66,7 @@ class Model:
             raise ConfigError(f"options must be a butter_core.LoadOptions, got {type(options).__name__}")
         path = resolve_model(path_or_id, progress_stream=progress_stream)
         network, summary = load_network(path, weights or WeightOptions())
+        shard_network(network, world())  # launched on several processes (mlx.launch): each keeps its share
         tokenizer = Tokenizer.from_dir(path)
         if tokenizer.vocab_size > network.args.vocab_size:
             raise ModelLoadError(

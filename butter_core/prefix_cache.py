@@ -51,19 +51,27 @@ class PrefixCache:
 
     def lookup(self, prompt: Sequence[int]) -> PrefixHit | None:
         """The kept snapshot that gives ``prompt`` the most positions (at most all but its last token),
-        marked as recently used; None where none shares a usable prefix."""
-        tokens = np.asarray(prompt, dtype=np.int64)
-        best: tuple[tuple[int, ...], PrefixHit] | None = None
-        for key, snapshot in self._entries.items():
-            shared = _shared(np.asarray(key, dtype=np.int64), tokens[:-1])
-            if shared and snapshot.usable(shared) and (best is None or shared > best[1].positions):
-                best = key, PrefixHit(snapshot, shared)
+        marked as recently used and counted as a hit; None (a miss) where none shares a usable prefix."""
+        best = self._best(np.asarray(prompt, dtype=np.int64))
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
         self._entries.move_to_end(best[0])
         return best[1]
+
+    def positions_for(self, prompt: Sequence[int]) -> int:
+        """The positions ``lookup`` would give ``prompt`` now (0: none), without using the cache."""
+        best = self._best(np.asarray(prompt, dtype=np.int64))
+        return 0 if best is None else best[1].positions
+
+    def _best(self, tokens: np.ndarray) -> tuple[tuple[int, ...], PrefixHit] | None:
+        best = None
+        for key, snapshot in self._entries.items():
+            shared = shared_prefix(np.asarray(key, dtype=np.int64), tokens[:-1])
+            if shared and snapshot.usable(shared) and (best is None or shared > best[1].positions):
+                best = key, PrefixHit(snapshot, shared)
+        return best
 
     def __contains__(self, prompt: Sequence[int]) -> bool:
         """Whether a kept snapshot holds ``prompt`` whole: its own, or a truncatable one of a longer prompt."""
@@ -95,7 +103,7 @@ class PrefixCache:
         self.nbytes -= self._entries.pop(key).nbytes
 
 
-def _shared(a: np.ndarray, b: np.ndarray) -> int:
+def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common prefix of two token arrays."""
     n = min(a.size, b.size)
     differ = np.flatnonzero(a[:n] != b[:n])

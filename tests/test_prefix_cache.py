@@ -146,3 +146,26 @@ def test_import_is_refused_where_it_would_not_be_exact(model_dir):
         caches.import_sequence(handle, snapshot, len(prompt))
     caches.import_sequence(other, snapshot, len(prompt))
     assert caches.length(other) == len(prompt)
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_a_request_arriving_with_another_that_shares_its_prompt_waits_and_reuses_it(model_dir):
+    """Added together, the second of two prompts sharing most of their tokens is admitted once the first
+    has read its prompt, and prefills only the rest."""
+    model = _model(str(model_dir), "raw")
+    base = model.encode_prompt(TEXT)
+    prompts = [base + model.encode_prompt(" and a dog"), base + model.encode_prompt(" and a cat"),
+               model.encode_prompt("def add(a, b):")]  # fmt: skip
+    alone = [list(model.generate(p, max_tokens=6, stop_ids=())) for p in prompts]
+    caches = model.engine.make_batched_caches(capacity_tokens=512, page_size=8)
+    batch = model.generate_batch(caches, prefill_chunk=16, prefix_cache=PrefixCache(10**8))
+    ids = [batch.add(p, max_tokens=6, stop_ids=()) for p in prompts[:2]]
+    batch.step()
+    assert batch.running == 1  # the second waits: the first is reading the prompt it shares
+    ids.append(batch.add(prompts[2], max_tokens=6, stop_ids=()))
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    for sequence_id, token in batch:
+        got[sequence_id].append(token)
+    assert [got[i] for i in ids] == alone
+    shared = len(base) + len(model.encode_prompt(" and a"))
+    assert batch.cached_tokens[ids[1]] >= len(base) and batch.cached_tokens[ids[1]] <= shared

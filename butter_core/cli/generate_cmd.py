@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import io
 import sys
 
 from butter_core.cli.model_options import add_model_arguments, load_model, positive_int, prompt_text
+from butter_core.distributed import shared_seed, total_bytes, world
 from butter_core.errors import ConfigError
+from butter_core.generation import format_bytes
 from butter_core.progress import Progress
 from butter_core.prompt_cache import resume_prompt_cache, save_prompt_cache
 from butter_core.sampling import Sampler
@@ -40,14 +43,19 @@ def _save(path: str, model, prompt: list[int], held: int, caches) -> None:
 def run(args) -> int:
     if not args.prompt:
         raise ConfigError("-p/--prompt is empty: give the text to generate from")
-    sampler = Sampler(args.temp, args.top_p, args.seed)
+    group = world()
+    if args.prompt_cache and group.size() > 1:
+        raise ConfigError("--prompt-cache is not supported under tensor parallelism yet (each rank holds its own heads)")
+    sampler = Sampler(args.temp, args.top_p, shared_seed(args.seed, group))
     model = load_model(args)
+    shown = group.rank() == 0  # under tensor parallelism every rank generates the same tokens; one prints them
+    out, err = (sys.stdout, sys.stderr) if shown else (io.StringIO(), io.StringIO())
     prompt = model.encode_prompt(args.prompt, chat=args.chat)
     caches, held, prefilled = None, 0, None
     if args.prompt_cache:
         caches, held = resume_prompt_cache(args.prompt_cache, model, prompt)
         prefilled = functools.partial(_save, args.prompt_cache, model, prompt, held)
-    prefill = Progress(len(prompt) - held, "prefill", sys.stderr, delay=PROGRESS_DELAY)
+    prefill = Progress(len(prompt) - held, "prefill", err, delay=PROGRESS_DELAY)
     generation = model.generate(
         prompt[held:], caches, sampler=sampler, max_tokens=args.max_tokens, stop_ids=() if args.ignore_eos else None,
         prefill_progress=lambda done, total: prefill.advance_to(done, "tokens"), prefilled=prefilled,
@@ -55,9 +63,14 @@ def run(args) -> int:
     detokenizer = model.tokenizer.detokenizer()
     for token_id in generation:
         prefill.finish()
-        sys.stdout.write(detokenizer.add(token_id))
-        sys.stdout.flush()
+        out.write(detokenizer.add(token_id))
+        out.flush()
     prefill.finish()
-    sys.stdout.write(detokenizer.flush() + "\n")
-    print(generation.stats.summary(), file=sys.stderr)
+    out.write(detokenizer.flush() + "\n")
+    stats = generation.stats
+    print(stats.summary(), file=err)
+    if group.size() > 1:
+        allocated, live = total_bytes(stats.kv_bytes_allocated, group), total_bytes(stats.kv_bytes_live, group)
+        print(f"tensor parallel: {group.size()} ranks, KV bytes above per rank; all ranks: {format_bytes(allocated)} "
+              f"allocated, {format_bytes(live)} live", file=err)  # fmt: skip
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from butter_core.cache import LayerSpec
 from butter_core.cli.model_options import add_model_arguments, load_model
 from butter_core.cpu_blas import LOADED_BLAS
+from butter_core.distributed import total_bytes, world
 from butter_core.engine import cache_windows
 from butter_core.generation import format_bytes
 from butter_core.layer_caches import layer_kinds
@@ -51,4 +52,9 @@ def run(args) -> int:
     total_allocated = sum(c.nbytes_allocated for c in caches)
     total_live = sum(c.nbytes_live for c in caches)
     print(f"total: {format_bytes(total_allocated)} allocated, {format_bytes(total_live)} live")
+    group = world()
+    if group.size() > 1:
+        every_allocated, every_live = total_bytes(total_allocated, group), total_bytes(total_live, group)
+        print(f"tensor parallel: rank {group.rank()} of {group.size()} above (its heads' share); all ranks: "
+              f"{format_bytes(every_allocated)} allocated, {format_bytes(every_live)} live")  # fmt: skip
     return 0

@@ -356,6 +356,8 @@ class LayerStack(nn.Module):
     """
 
     layers: list[nn.Module]
+    shard: tuple[int, int] = (0, 1)
+    """``(rank, ranks)``: the share of heads this process runs (``butter_core.distributed.shard_network``)."""
 
     def layer_windows(self) -> list[Window | None]:
         """Per ``layer_specs`` entry, the window the family bounds its attention by (None: none).
@@ -443,7 +445,8 @@ class DecoderModel(LanguageModel):
         """What each layer's cache must hold, attention layers holding up to ``max_positions``."""
         args = self.args
         return [
-            LayerSpec(args.num_key_value_heads, args.head_dim, max_positions, dtype=self.dtype, layer_index=index)
+            LayerSpec(args.num_key_value_heads, args.head_dim, max_positions, dtype=self.dtype, layer_index=index,
+                      shard=self.shard)
             for index in range(args.num_hidden_layers)
         ]
 

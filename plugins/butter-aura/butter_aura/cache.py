@@ -68,7 +68,7 @@ class AuraCache(BufferedSlotCache):
         super().__init__(spec, layout, stacks=stacks_for(self.key_codec, self.value_codec))
         self.budget = FullPrecisionBudget.for_capacity(self.capacity, spec.ring_start)
         self.fp_dtype = full_precision_dtype(spec.dtype)
-        self.rotation = Rotation(layer_seed(seed, spec.layer_index), spec.n_kv_heads, spec.head_dim)
+        self.rotation = Rotation(layer_seed(seed, spec.layer_index), spec.n_kv_heads, spec.head_dim, spec.shard)
         self.ops = ops or reference
         self._fp = self._empty_full_precision()
         self._recent = [-1] * self.budget.ring
@@ -287,7 +287,7 @@ class AuraCache(BufferedSlotCache):
             )
         seed = int(meta["rotation_seed"])
         if seed != self.rotation.seed:
-            self.rotation = Rotation(seed, self.spec.n_kv_heads, self.spec.head_dim)
+            self.rotation = Rotation(seed, self.spec.n_kv_heads, self.spec.head_dim, self.spec.shard)
         super().restore(state, meta)
 
     def truncate(self, length):

@@ -309,6 +309,33 @@ def decode_attention(queries: mx.array, stored: StoredLayer, scale: float) -> mx
     return functools.reduce(mx.add, sums).reshape(queries.shape).astype(queries.dtype)
 
 
+def gathered_decode_attention(
+    queries: mx.array, rows: dict[str, mx.array], fp_keys: mx.array, fp_values: mx.array, coded: mx.array,
+    full: mx.array, key_codec: Codec, value_codec: Codec, rotation: Rotation, scale: float,
+) -> mx.array:  # fmt: skip
+    """``decode_attention`` for the sequences of a batched step, each over its own slots: ``rows`` their
+    pages' codes and scales gathered (``[sequences, kv_heads, length, width]`` by buffer name),
+    ``fp_keys``/``fp_values`` their full-precision rows ``[sequences, kv_heads, rows, head_dim]``,
+    ``coded`` ``[sequences, length]`` the slots each reads from codes and ``full`` ``[sequences, rows]``
+    the full-precision rows each reads. As ``decode_attention``, in the rotated domain: the queries are
+    rotated once and the weighted sum of values rotated back once, not every key and value."""
+    batch, q_heads, _, dims = queries.shape
+    kv_heads, length = rows["key_codes"].shape[1], rows["key_codes"].shape[2]
+    q = queries.astype(mx.float32).reshape(batch, kv_heads, q_heads // kv_heads, dims)
+    signs, mixing = _signs(rotation), rotation.mixing_matrix()
+    factor, softmax = softmax_for(length)
+    keys, key_scales = _decoded_planes(key_codec, rows["key_codes"], rows["key_scales"])
+    coded_scores = _with_row_scales(_times_transposed(_rotated(q, signs, mixing), keys), key_scales) * (scale * factor)
+    full_scores = (q @ fp_keys.astype(mx.float32).swapaxes(-1, -2)) * (scale * factor)
+    weights = softmax(mx.concatenate([mx.where(coded[:, None, None], coded_scores, -mx.inf),
+                                      mx.where(full[:, None, None], full_scores, -mx.inf)], axis=-1))  # fmt: skip
+    coded_weights, full_weights = weights[..., :length], weights[..., length:]
+    values, value_scales = _decoded_planes(value_codec, rows["value_codes"], rows["value_scales"])
+    out = _unrotated(_weighted_sum(_with_row_scales(coded_weights, value_scales), values), signs, mixing)
+    out = out + full_weights @ fp_values.astype(mx.float32)
+    return out.reshape(queries.shape).astype(queries.dtype)
+
+
 def _coded_part(
     q: mx.array, stored: StoredLayer, first: int, stop: int, slots: list[int], scale: float
 ) -> tuple[mx.array, Callable[[mx.array], mx.array]]:

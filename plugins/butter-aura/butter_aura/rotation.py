@@ -72,7 +72,10 @@ def layer_seed(base_seed: int, layer_index: int) -> int:
 
 @attrs.frozen(eq=False)
 class Rotation:
-    """The rotations of one layer's ``heads`` KV heads, made from ``seed``.
+    """The rotations of one layer's ``heads`` KV heads, made from ``seed``; with ``shard`` ``(rank,
+    ranks)`` (tensor parallelism: ``LayerSpec.shard``) those of heads ``[rank * heads, (rank + 1) *
+    heads)`` of a layer of ``ranks * heads``, drawn for all of them and sliced, so that each rank's
+    heads rotate as one process's do.
 
     ``apply`` and ``invert`` act on ``[..., heads, tokens, dims]`` arrays (the KV-head
     axis third from last) and return float32.
@@ -81,6 +84,7 @@ class Rotation:
     seed: int
     heads: int
     dims: int
+    shard: tuple[int, int] = (0, 1)
     signs: mx.array = attrs.field(init=False)
     """``[heads, dims]`` float32, ±1."""
     permutation: mx.array | None = attrs.field(init=False)
@@ -91,11 +95,14 @@ class Rotation:
 
     def __attrs_post_init__(self):
         sign_key, perm_key = mx.random.split(mx.random.key(self.seed))
-        bits = mx.random.bernoulli(0.5, (self.heads, self.dims), key=sign_key)
+        rank, ranks = self.shard
+        mine = slice(rank * self.heads, (rank + 1) * self.heads)
+        bits = mx.random.bernoulli(0.5, (ranks * self.heads, self.dims), key=sign_key)[mine]
         object.__setattr__(self, "signs", mx.where(bits, 1.0, -1.0).astype(mx.float32))
         perm = inverse = None
         if not is_power_of_two(self.dims):
-            perm = mx.argsort(mx.random.uniform(shape=(self.heads, self.dims), key=perm_key), axis=-1).astype(mx.int32)
+            uniform = mx.random.uniform(shape=(ranks * self.heads, self.dims), key=perm_key)[mine]
+            perm = mx.argsort(uniform, axis=-1).astype(mx.int32)
             inverse = mx.argsort(perm, axis=-1).astype(mx.int32)
         object.__setattr__(self, "permutation", perm)
         object.__setattr__(self, "inverse_permutation", inverse)

@@ -16,8 +16,9 @@ import mlx.core as mx
 
 from typing import TYPE_CHECKING
 
-from butter_core.plugin_api import SequenceState, Written
+from butter_core.plugin_api import SequenceState, Written, gather_pages
 
+from butter_aura import cpu
 from butter_aura.kernels import GPU_OPS
 from butter_aura.kernels.paged import PagedStored, paged_decode_attention
 from butter_aura.layout import FullPrecisionBudget
@@ -88,9 +89,10 @@ class FullPrecisionRows(SequenceState):
             getattr(self, name)[targets] = flat[sources].astype(self.keys.dtype)
 
     def paged_decode(self, queries, buffers, table, lengths, page_size, scale, rows):
-        """``kernels.paged.paged_decode_attention`` where the cache runs AURA's kernels."""
+        """``kernels.paged.paged_decode_attention`` where the cache runs AURA's kernels, else
+        ``cpu.gathered_decode_attention`` over the gathered pages."""
         if self.cache.ops is not GPU_OPS:
-            return None
+            return self._gathered_decode(queries, buffers, table, lengths, page_size, scale, rows)
         paged = PagedStored(
             key_codes=buffers["key_codes"], key_scales=buffers["key_scales"], value_codes=buffers["value_codes"],
             value_scales=buffers["value_scales"], fp_keys=self.keys, fp_values=self.values,
@@ -99,6 +101,21 @@ class FullPrecisionRows(SequenceState):
             value_codec=self.cache.value_codec, rotation=self.cache.rotation,
         )  # fmt: skip
         return paged_decode_attention(queries, paged, scale)
+
+    def _gathered_decode(self, queries, buffers, table, lengths, page_size, scale, rows):
+        """Each sequence's codes gathered from its pages and read in the rotated domain, its full-precision
+        rows beside them (``cpu.gathered_decode_attention``)."""
+        budget, length = self.budget, max(lengths)
+        gathered = {name: gather_pages(array, table, page_size, length) for name, array in buffers.items()}
+        recent = mx.array([self.recent[r] for r in rows], dtype=mx.int32)
+        live = mx.array(lengths, dtype=mx.int32)[:, None]
+        member, _ = budget.membership(recent, length)
+        coded = ~member & (mx.arange(length, dtype=mx.int32)[None] < live)
+        full = mx.concatenate([mx.arange(budget.sinks, dtype=mx.int32)[None] < live, (recent >= 0) & (recent < live)], axis=1)
+        index = mx.array(rows, dtype=mx.int32)[:, None] * budget.rows + mx.arange(budget.rows, dtype=mx.int32)[None]
+        fp_keys, fp_values = (self.keys[index].transpose(0, 2, 1, 3), self.values[index].transpose(0, 2, 1, 3))
+        return cpu.gathered_decode_attention(queries, gathered, fp_keys, fp_values, coded, full, self.cache.key_codec,
+                                             self.cache.value_codec, self.cache.rotation, scale)  # fmt: skip
 
     def read(self, rows: Sequence[int], length: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Each sequence's full-precision rows in place of the decoded codes of the slots they hold."""

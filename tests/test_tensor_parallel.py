@@ -1,0 +1,80 @@
+"""Tensor parallelism on the CPU: two processes of a ring group (``mlx.launch``) against one process."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from butter_core import LoadOptions, Window
+from butter_core.distributed import shard_network, world
+from butter_core.model import Model
+from butter_core.plugins import get_plugin_host
+from butter_core.testing.tiny_models import TinySpec, write_tiny_model
+
+WORKER = Path(__file__).parent / "tensor_parallel_worker.py"
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+TOLERANCE = 1e-4
+"""Relative to the largest logit: the all-reduces sum the ranks' partial products in another order."""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tensor-parallel"), TinySpec(family="qwen3"))
+
+
+@pytest.mark.parametrize("scheme, window", [("raw", 0), ("affine8g32", 0), ("aura4v4", 0), ("raw", 12)])
+def test_two_ranks_give_one_process_tokens_and_logits(model_dir, tmp_path, scheme, window):
+    """Each rank holds half the heads, and half the KV bytes; the ranks' logits are one process's, and so
+    are their greedy tokens, alone and through batched caches, under a window too."""
+    if scheme.rstrip("0123456789vg") not in get_plugin_host().schemes:
+        pytest.skip(f"needs the {scheme} scheme")
+    output = tmp_path / "ranks.safetensors"
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--",
+               sys.executable, str(WORKER), str(model_dir), scheme, str(window), str(output)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and output.exists(), done.stdout + done.stderr  # mlx.launch exits 0 when a rank fails
+    ranks, meta = mx.load(str(output), return_metadata=True)
+    model = Model.load(str(model_dir), LoadOptions(kv_cache=scheme, kv_eviction=Window(window, keep=2) if window else None))
+    prompt = model.encode_prompt("Once upon a time there was a tiny model that wrote short stories")
+    caches = model.engine.make_layer_caches()
+    logits = model.engine.forward(prompt, caches, all_logits=True)
+    assert meta["size"] == "2"
+    assert (mx.abs(ranks["logits"] - logits).max() / mx.abs(logits).max()).item() < TOLERANCE
+    assert ranks["tokens"].tolist() == list(model.generate(prompt, max_tokens=8, stop_ids=()))
+    second = model.encode_prompt("def add(a, b):")
+    assert ranks["batched"].tolist() == [list(model.generate(p, max_tokens=6, stop_ids=())) for p in (prompt, second)]
+    one = sum(cache.nbytes_live for cache in caches)
+    # each rank holds half the KV heads; what a cache keeps whatever its heads (aura's table of recent rows) twice
+    assert int(meta["rank_bytes"]) * 2 == int(meta["all_bytes"]) and one <= int(meta["all_bytes"]) <= 1.03 * one
+
+
+def test_a_group_of_one_changes_nothing(model_dir):
+    assert world().size() == 1
+    model = Model.load(str(model_dir))
+    shard_network(model.network, world())
+    assert model.network.args.num_key_value_heads == model.network.layers[0].self_attn.n_kv_heads == 2
+    assert model.network.shard == (0, 1) and model.engine.layer_specs()[0].shard == (0, 1)
+
+
+def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(model_dir):
+    """``mlx.launch -n 2 -- butter generate``: rank 0 prints the one-process text; the summary adds
+    all ranks' KV bytes."""
+    argv = ["-m", str(model_dir), "-p", "Once upon a time", "--max-tokens", "8", "--kv-cache", "raw"]
+    butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "generate"]
+    alone = subprocess.run([*butter, *argv], capture_output=True, text=True, timeout=120)
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter, *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == alone.stdout
+    assert "tensor parallel: 2 ranks" in done.stderr and done.stderr.count("decode:") == 1
