@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from butter_core.plugins import get_plugin_host
-from butter_core.testing.tiny_models import TinySpec, write_tiny_model
+from butter_core.testing.tiny_models import TinySpec, write_tiny_model, write_tokenizer
 
 FAMILIES = ("llama", "qwen3")
+HYBRID_DATA = Path(__file__).parent / "data" / "hybrid"
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +38,17 @@ def raw_scheme():
     if "raw" not in get_plugin_host().schemes:
         pytest.skip("needs the raw KV cache scheme (pip install butter-raw)")
 
+
+
+@pytest.fixture
+def family_model(tmp_path):
+    """``family_model(family)``: a hybrid family's ``hf`` model (``tests/data/hybrid``) with a tokenizer
+    beside it, as a user's model directory."""
+
+    def make(family: str) -> Path:
+        directory = tmp_path / family
+        shutil.copytree(HYBRID_DATA / family / "hf", directory)
+        write_tokenizer(directory)
+        return directory
+
+    return make

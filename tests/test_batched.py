@@ -16,7 +16,7 @@ from butter_core.cache import ATTENTION
 from butter_core.engine import ContextLengthError
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
-from butter_core.testing.fixtures import example_kind
+from butter_core.testing.fixtures import example_kind, example_model
 from butter_core.testing.tiny_models import TinySpec, write_tiny_model
 
 SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items() if ATTENTION in r.scheme.layer_types)
@@ -35,12 +35,6 @@ def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("batched"), TinySpec(family="qwen3"))
 
 
-@functools.cache
-def _model(path: str, scheme: str) -> Model:
-    kind, _ = example_kind(scheme, 32)
-    return Model.load(path, LoadOptions(kv_cache=kind))
-
-
 def _single(model: Model, prompt: list[int], max_tokens: int) -> list[int]:
     return list(model.generate(prompt, max_tokens=max_tokens, stop_ids=()))
 
@@ -49,7 +43,7 @@ def _single(model: Model, prompt: list[int], max_tokens: int) -> list[int]:
 def test_batched_logits_match_single_sequences(model_dir, scheme):
     """Sequences of different lengths decoded in one forward give each the logits its own decode step
     gets alone, to float32 rounding for raw, within the scheme's stated tolerance otherwise."""
-    model = _model(str(model_dir), scheme)
+    model = example_model(str(model_dir), scheme)
     _, tolerance = example_kind(scheme, 32)
     prompts = [model.encode_prompt(text) for text in PROMPTS]
     caches = model.engine.make_batched_caches(capacity_tokens=512, page_size=8)
@@ -74,7 +68,7 @@ def test_batched_logits_match_single_sequences(model_dir, scheme):
 def test_continuous_batching_gives_each_sequence_its_own_tokens(model_dir, scheme):
     """Joining mid-stream, leaving at different lengths, a slot reused: each sequence's greedy
     tokens are those it generates alone."""
-    model = _model(str(model_dir), scheme)
+    model = example_model(str(model_dir), scheme)
     prompts = [model.encode_prompt(text) for text in PROMPTS]
     lengths = [12, 5, 9, 7]
     expected = [_single(model, p, n) for p, n in zip(prompts, lengths)]
@@ -160,7 +154,7 @@ def test_prompts_of_different_lengths_prefill_in_one_forward(model_dir, scheme, 
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_a_ragged_step_gives_each_row_its_own_last_logits(model_dir):
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     prompts = [model.encode_prompt(text) for text in PROMPTS[:3]]
     caches = model.engine.make_batched_caches(capacity_tokens=256, page_size=8)
     handles = [caches.open() for _ in prompts]
@@ -179,7 +173,7 @@ def test_a_ragged_step_gives_each_row_its_own_last_logits(model_dir):
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_a_sequence_waits_for_pages_and_a_stop_id_ends_it(model_dir):
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     prompts = [model.encode_prompt(text) for text in PROMPTS[:3]]
     expected = [_single(model, p, 10) for p in prompts]
     pages = sorted(-(-(len(p) + 10) // 8) for p in prompts)
@@ -202,7 +196,7 @@ def test_a_sequence_waits_for_pages_and_a_stop_id_ends_it(model_dir):
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_a_released_handle_is_refused_before_and_after_its_slot_is_reused(model_dir):
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     caches = model.engine.make_batched_caches(capacity_tokens=64, page_size=8)
     first = caches.open()
     caches.reserve(first, 20)
@@ -224,7 +218,7 @@ def test_a_released_handle_is_refused_before_and_after_its_slot_is_reused(model_
 def test_batched_storage_bytes(model_dir):
     """Pages are allocated whole at creation; live bytes count each open sequence's positions, and
     a sequence holds at most one partly used page."""
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     caches = model.engine.make_batched_caches(capacity_tokens=100, page_size=16)
     assert caches.capacity_tokens == 112 and caches.num_pages == 7
     assert caches.max_sequences == 7 and caches.state_bytes == 0  # attention layers alone: a slot per page
@@ -242,7 +236,7 @@ def test_sequence_state_bytes_are_counted_per_open_sequence(model_dir):
     the bytes allocated, and each open sequence's share in the live bytes."""
     if "aura" not in get_plugin_host().schemes:
         pytest.skip("butter-aura is not installed")
-    model = _model(str(model_dir), "aura")
+    model = example_model(str(model_dir), "aura")
     caches = model.engine.make_batched_caches(capacity_tokens=64, page_size=16, max_sequences=3)
     per_sequence = 2 * 2 * 36 * 2 * 32 * 2  # K and V, 2 layers, 36 rows of 2 KV heads of 32, float16
     pages = caches.nbytes_allocated - 3 * per_sequence
@@ -255,7 +249,7 @@ def test_sequence_state_bytes_are_counted_per_open_sequence(model_dir):
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_what_batched_caches_do_not_take_yet_is_refused_clearly(model_dir):
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     batch = model.generate_batch(model.engine.make_batched_caches(capacity_tokens=64, page_size=8))
     with pytest.raises(ConfigError, match=r"need 9 pages; the batched caches hold 8 \(capacity_tokens 64\)"):
         batch.add([1, 2, 3], max_tokens=66)
@@ -323,7 +317,7 @@ def _alone(model: Model, prompt: int, max_tokens: int) -> list[int]:
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_random_joins_steps_and_cancellations(model_dir):
-    BatchMachine.model = _model(str(model_dir), "raw")
+    BatchMachine.model = example_model(str(model_dir), "raw")
     BatchMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
     BatchMachine.TestCase().runTest()
 
@@ -333,7 +327,7 @@ def test_a_reservation_is_taken_as_the_sequence_grows_and_promised_pages_are_not
     """A sequence is admitted with the pages its prompt plus max_tokens need and takes them step by
     step; pages promised to it are not free for admission, so a second sequence whose liability
     needs them waits, though the pages are free, until the first ends."""
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     caches = model.engine.make_batched_caches(capacity_tokens=64, page_size=8)  # 8 pages
     batch = model.generate_batch(caches)
     first = batch.add([5, 6, 7, 8, 9], max_tokens=30, stop_ids=())  # 35 positions: 5 pages

@@ -13,7 +13,6 @@ equals one shot, a snapshot rewinds exactly.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,7 +29,6 @@ from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 from butter_core.recurrent import StateCache, StateSpec
 from butter_core.testing.fixtures import example_kind
-from butter_core.testing.tiny_models import write_tokenizer
 from butter_core.window import WindowCache
 
 DATA = Path(__file__).parent / "data" / "hybrid"
@@ -124,19 +122,6 @@ def test_multi_turn_equals_one_shot_and_a_snapshot_rewinds_exactly(family):
     for cache, snapshot in zip(caches, snapshots):
         cache.rewind(snapshot)
     assert mx.array_equal(engine.forward(prompt[20:], caches, all_logits=True), second)
-
-
-@pytest.fixture
-def family_model(tmp_path):
-    """A family's ``hf`` model with a tokenizer beside it, as a user's model directory."""
-
-    def make(family: str) -> Path:
-        directory = tmp_path / family
-        shutil.copytree(DATA / family / "hf", directory)
-        write_tokenizer(directory)
-        return directory
-
-    return make
 
 
 @pytest.mark.usefixtures("state_scheme", "raw_scheme")

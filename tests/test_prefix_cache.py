@@ -2,35 +2,24 @@
 
 from __future__ import annotations
 
-import functools
-import shutil
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 
-from butter_core import ConfigError, LoadOptions, Window
+from butter_core import ConfigError, Window
 from butter_core.cache import ATTENTION
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 from butter_core.prefix_cache import PrefixCache
-from butter_core.testing.fixtures import example_kind
-from butter_core.testing.tiny_models import TinySpec, write_tiny_model, write_tokenizer
+from butter_core.testing.fixtures import example_model
+from butter_core.testing.tiny_models import TinySpec, write_tiny_model
 
 SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items() if ATTENTION in r.scheme.layer_types)
-HYBRID = Path(__file__).parent / "data" / "hybrid"
 TEXT = "Once upon a time there was a tiny model that wrote short stories about a fox"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("prefix-cache"), TinySpec(family="qwen3"))
-
-
-@functools.cache
-def _model(path: str, scheme: str, window: Window | None = None) -> Model:
-    kind, _ = example_kind(scheme, 32)
-    return Model.load(path, LoadOptions(kv_cache=kind, kv_eviction=window))
 
 
 def _one_by_one(model: Model, prompts: list[list[int]], prefix: PrefixCache, max_tokens: int = 6):
@@ -57,7 +46,7 @@ def test_prompts_reuse_kept_prefixes_and_generate_what_they_generate_alone(model
     """A longer prompt reuses a kept one whole, a prompt that parts from a kept one after 20 tokens
     reuses those 20 (cut from the kept snapshot), a repeated prompt all but its last token; each
     generates the tokens it generates alone."""
-    model = _model(str(model_dir), scheme)
+    model = example_model(str(model_dir), scheme)
     prompts = _prompts(model)
     alone = [list(model.generate(p, max_tokens=6, stop_ids=())) for p in prompts]
     prefix = PrefixCache(10**8)
@@ -69,29 +58,21 @@ def test_prompts_reuse_kept_prefixes_and_generate_what_they_generate_alone(model
     assert len(prefix) == 2 and prefix.nbytes == sum(s.nbytes for s in prefix._entries.values())
 
 
-@pytest.mark.parametrize("scheme", ["raw", "aura"])
-def test_a_wrapped_window_is_reused_only_by_prompts_that_extend_it(model_dir, scheme):
-    """Under a window of 12 the 44-token prompt has wrapped its ring: a kept snapshot holds its positions
-    only all together, so only the prompt that extends it reuses it."""
-    if scheme not in SCHEMES:
-        pytest.skip(f"needs {scheme}")
-    model = _model(str(model_dir), scheme, Window(12, keep=2))
-    prompts = _prompts(model)
-    alone = [list(model.generate(p, max_tokens=6, stop_ids=())) for p in prompts]
-    tokens, cached = _one_by_one(model, prompts, PrefixCache(10**8))
-    assert cached == [0, len(prompts[0]), 0, 0]
-    assert tokens == alone
-
-
 @pytest.mark.usefixtures("raw_scheme")
-@pytest.mark.parametrize("family", ["mamba2", "qwen3_next"])
-def test_hybrid_families_reuse_recurrent_state_only_at_its_exact_position(tmp_path, family):
-    if "ssm" not in get_plugin_host().schemes:
-        pytest.skip("needs butter-ssm")
-    directory = tmp_path / family
-    shutil.copytree(HYBRID / family / "hf", directory)
-    write_tokenizer(directory)
-    model = Model.load(str(directory))
+@pytest.mark.parametrize("case", ["raw under a window", "aura under a window", "mamba2", "qwen3_next"])
+def test_state_held_only_whole_is_reused_only_by_prompts_that_extend_it(model_dir, family_model, case):
+    """Under a window of 12 the 44-token prompt has wrapped its ring, and a recurrent state holds every
+    position it has read: a kept snapshot then holds its positions only all together, so only the
+    prompt that extends it reuses it."""
+    scheme, _, _ = case.partition(" ")
+    if case in ("mamba2", "qwen3_next"):
+        if "ssm" not in get_plugin_host().schemes:
+            pytest.skip("needs butter-ssm")
+        model = Model.load(str(family_model(case)))
+    elif scheme not in SCHEMES:
+        pytest.skip(f"needs {scheme}")
+    else:
+        model = example_model(str(model_dir), scheme, Window(12, keep=2))
     prompts = _prompts(model)
     alone = [list(model.generate(p, max_tokens=6, stop_ids=())) for p in prompts]
     tokens, cached = _one_by_one(model, prompts, PrefixCache(10**8))
@@ -101,7 +82,7 @@ def test_hybrid_families_reuse_recurrent_state_only_at_its_exact_position(tmp_pa
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_the_byte_budget_evicts_the_least_recently_used(model_dir):
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     caches = model.engine.make_batched_caches(capacity_tokens=512, page_size=8)
     snapshots = {}
     for text in ("alpha beta gamma", "one two three four", "red green blue"):
@@ -130,7 +111,7 @@ def test_the_byte_budget_evicts_the_least_recently_used(model_dir):
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_import_is_refused_where_it_would_not_be_exact(model_dir):
-    model = _model(str(model_dir), "raw", Window(12, keep=2))
+    model = example_model(str(model_dir), "raw", Window(12, keep=2))
     caches = model.engine.make_batched_caches(capacity_tokens=512, page_size=8)
     prompt = model.encode_prompt(TEXT)
     handle = caches.open()
@@ -152,7 +133,7 @@ def test_import_is_refused_where_it_would_not_be_exact(model_dir):
 def test_a_request_arriving_with_another_that_shares_its_prompt_waits_and_reuses_it(model_dir):
     """Added together, the second of two prompts sharing most of their tokens is admitted once the first
     has read its prompt, and prefills only the rest."""
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     base = model.encode_prompt(TEXT)
     prompts = [base + model.encode_prompt(" and a dog"), base + model.encode_prompt(" and a cat"),
                model.encode_prompt("def add(a, b):")]  # fmt: skip

@@ -2,37 +2,27 @@
 
 from __future__ import annotations
 
-import functools
 import json
-import shutil
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-from butter_core import LoadOptions, Window
+from butter_core import Window
 from butter_core.cache import ATTENTION
 from butter_core.cli import main
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 from butter_core.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
-from butter_core.testing.fixtures import example_kind
-from butter_core.testing.tiny_models import TinySpec, write_tiny_model, write_tokenizer
+from butter_core.testing.fixtures import example_model
+from butter_core.testing.tiny_models import TinySpec, write_tiny_model
 
 SCHEMES = sorted(name for name, r in get_plugin_host().schemes.items() if ATTENTION in r.scheme.layer_types)
-HYBRID = Path(__file__).parent / "data" / "hybrid"
 TEXT = "Once upon a time there was a tiny model that wrote short stories about a fox"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("prompt-cache"), TinySpec(family="qwen3"))
-
-
-@functools.cache
-def _model(path: str, scheme: str, window: Window | None = None) -> Model:
-    kind, _ = example_kind(scheme, 32)
-    return Model.load(path, LoadOptions(kv_cache=kind, kv_eviction=window))
 
 
 def _continue(model: Model, caches, rest: list[int]) -> mx.array:
@@ -45,7 +35,7 @@ def _continue(model: Model, caches, rest: list[int]) -> mx.array:
 def test_a_loaded_cache_continues_exactly_as_the_saved_one(model_dir, tmp_path, scheme, window):
     """Saved after 20 prompt tokens (a window of 12 has wrapped) and loaded into fresh caches, the cache
     gives the very logits the caches it was saved from give."""
-    model = _model(str(model_dir), scheme, window)
+    model = example_model(str(model_dir), scheme, window)
     prompt = model.encode_prompt(TEXT)
     caches = model.engine.make_layer_caches()
     mx.eval(model.engine.forward(prompt[:20], caches))
@@ -60,7 +50,7 @@ def test_resume_trims_to_the_common_prefix(model_dir, tmp_path, scheme):
     """A prompt that parts from the saved one after 9 tokens reuses those 9, as the saved caches trimmed
     in memory do (``trim``: exact for raw, within each scheme's conformance tolerance for the others);
     an identical prompt keeps all but its last token."""
-    model = _model(str(model_dir), scheme)
+    model = example_model(str(model_dir), scheme)
     prompt = model.encode_prompt(TEXT)
     caches = model.engine.make_layer_caches()
     mx.eval(model.engine.forward(prompt, caches))
@@ -90,7 +80,7 @@ def test_generate_reuses_the_file_and_prints_the_same_text(capsys, model_dir, tm
     assert main(argv) == 0
     second = capsys.readouterr()
     assert second.out == first.out
-    tokens = len(_model(str(model_dir), "raw").encode_prompt(TEXT))
+    tokens = len(example_model(str(model_dir), "raw").encode_prompt(TEXT))
     assert f"0 of {tokens} prompt tokens reused" in first.err
     assert f"{tokens - 1} of {tokens} prompt tokens reused" in second.err and f"after {tokens - 1} held" in second.err
     assert main([*argv[:4], TEXT + " and a dog", *argv[5:]]) == 0
@@ -99,15 +89,12 @@ def test_generate_reuses_the_file_and_prints_the_same_text(capsys, model_dir, tm
 
 @pytest.mark.usefixtures("raw_scheme")
 @pytest.mark.parametrize("family", ["mamba2", "qwen3_next"])
-def test_hybrid_states_are_saved_and_resumed_only_forward(tmp_path, family):
+def test_hybrid_states_are_saved_and_resumed_only_forward(tmp_path, family_model, family):
     """Recurrent states round-trip exactly; a prompt that extends the saved one reuses it whole, one
     that parts from it cannot trim a recurrent state and starts from empty caches."""
     if "ssm" not in get_plugin_host().schemes:
         pytest.skip("needs butter-ssm")
-    directory = tmp_path / family
-    shutil.copytree(HYBRID / family / "hf", directory)
-    write_tokenizer(directory)
-    model = Model.load(str(directory))
+    model = Model.load(str(family_model(family)))
     prompt = model.encode_prompt(TEXT)
     caches = model.engine.make_layer_caches()
     mx.eval(model.engine.forward(prompt[:10], caches))
@@ -121,7 +108,7 @@ def test_hybrid_states_are_saved_and_resumed_only_forward(tmp_path, family):
 
 @pytest.fixture
 def saved(model_dir, tmp_path):
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     prompt = model.encode_prompt(TEXT)
     caches = model.engine.make_layer_caches()
     mx.eval(model.engine.forward(prompt, caches))
@@ -135,8 +122,8 @@ def test_a_file_of_another_model_scheme_or_window_is_refused_naming_it(saved, mo
     other = write_tiny_model(tmp_path / "other", TinySpec(family="qwen3", seed=5))
     cases = [
         (Model.load(str(other)), "saved for another model"),
-        (_model(str(model_dir), "affine", None) if "affine" in SCHEMES else None, "saved with kv_cache raw"),
-        (_model(str(model_dir), "raw", Window(8, keep=2)), "saved with eviction none"),
+        (example_model(str(model_dir), "affine", None) if "affine" in SCHEMES else None, "saved with kv_cache raw"),
+        (example_model(str(model_dir), "raw", Window(8, keep=2)), "saved with eviction none"),
     ]
     for model, message in cases:
         if model is None:
@@ -148,7 +135,7 @@ def test_a_file_of_another_model_scheme_or_window_is_refused_naming_it(saved, mo
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_unreadable_files_are_refused_naming_them(saved, model_dir, tmp_path):
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(saved.read_bytes()[:200])
     plain = tmp_path / "weights.safetensors"
@@ -165,7 +152,7 @@ def test_unreadable_files_are_refused_naming_them(saved, model_dir, tmp_path):
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_a_failed_save_leaves_the_old_file_and_nothing_half_written(saved, model_dir, monkeypatch):
-    model = _model(str(model_dir), "raw")
+    model = example_model(str(model_dir), "raw")
     before = saved.read_bytes()
     caches = model.engine.make_layer_caches()
     mx.eval(model.engine.forward([1, 2, 3], caches))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import mlx.core as mx
 import pytest
 
 from butter_core.cache import LayerSpec
-from butter_core.config import CacheKind
+from butter_core.config import CacheKind, LoadOptions, Window
 from butter_core.errors import ConfigError
+from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 
 
@@ -35,6 +38,14 @@ def example_kind(scheme: str, head_dim: int) -> tuple[CacheKind, float | None]:
             continue
         return kind, registered.model_tolerance
     pytest.skip(f"no example of {scheme} fits head_dim {head_dim}")
+
+
+@functools.cache
+def example_model(path: str, scheme: str, window: Window | None = None) -> Model:
+    """The model at ``path`` loaded with ``example_kind(scheme, 32)`` (the tiny models' head_dim) under
+    ``window``, once per process."""
+    kind, _ = example_kind(scheme, 32)
+    return Model.load(path, LoadOptions(kv_cache=kind, kv_eviction=window))
 
 
 @attrs.frozen
