@@ -15,10 +15,15 @@ mlx-lm's ``shard`` makes it:
   caches hold its own KV heads only (``layer_specs`` reads the sharded head counts), in any
   scheme, windowed or batched, so their bytes are per rank (``total_bytes`` sums them);
 * the SwiGLU feed-forward: gate and up by output rows, down by input columns with its all-reduce;
+* a Mamba2 mixer by heads and groups (each head reads its own group's ``B`` and ``C``, so the scan
+  and the gated norm stay local): the input projection's gate, ``x``, ``B``, ``C`` and ``dt`` segments
+  each by rows, the convolution's channels and per-head parameters to match, the output
+  projection by input columns; each rank's recurrent state holds its heads;
 * embeddings, norms and the LM head are replicated, so every rank computes the same logits and,
   from the same seed (``shared_seed``), samples the same token.
 
-Families with recurrent mixers or experts are refused for now (``ConfigError`` naming the family).
+Families with experts or gated-delta mixers (Qwen3-Next, Granite 4.0-H, Nemotron-H) are refused
+for now (``ConfigError`` naming the family).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from mlx.nn.layers.distributed import shard_linear
 
 from butter_core.errors import ConfigError
 from butter_core.models.base import MLP, Attention, DecoderModel
+from butter_core.models.mamba2 import Mamba2Model
 
 
 def world() -> mx.distributed.Group:
@@ -44,31 +50,75 @@ def shard_network(network, group: mx.distributed.Group) -> None:
     size = group.size()
     if size == 1:
         return
-    if not isinstance(network, DecoderModel) or not all(
+    if isinstance(network, DecoderModel) and all(
         isinstance(b.self_attn, Attention) and isinstance(b.mlp, MLP) for b in network.layers
     ):
-        raise ConfigError(f"tensor parallelism (mlx.launch with {size} processes) runs Llama-shaped decoders of "
-                          f"attention and a SwiGLU feed-forward (llama, qwen3); {network.args.model_type} is not "
-                          "one: run it in one process")  # fmt: skip
-    args = network.args
-    for name, count in (("num_attention_heads", args.num_attention_heads), ("num_key_value_heads",
-                        args.num_key_value_heads), ("intermediate_size", args.intermediate_size)):  # fmt: skip
-        if count % size:
-            raise ConfigError(f"tensor parallelism over {size} processes needs {name} ({count}) divisible by {size}")
-    for block in network.layers:
-        attention, mlp = block.self_attn, block.mlp
-        for part in ("q_proj", "k_proj", "v_proj"):
-            setattr(attention, part, shard_linear(getattr(attention, part), "all-to-sharded", group=group))
-        attention.o_proj = shard_linear(attention.o_proj, "sharded-to-all", group=group)
-        attention.n_heads //= size
-        attention.n_kv_heads //= size
-        mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
-        mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
-        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
-    network.args = attrs.evolve(args, num_attention_heads=args.num_attention_heads // size,
-                                num_key_value_heads=args.num_key_value_heads // size)  # fmt: skip
+        args = network.args
+        _check_divisible(size, num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                         intermediate_size=args.intermediate_size)  # fmt: skip
+        for block in network.layers:
+            _shard_attention(block.self_attn, group)
+            _shard_mlp(block.mlp, group)
+        network.args = attrs.evolve(args, num_attention_heads=args.num_attention_heads // size,
+                                    num_key_value_heads=args.num_key_value_heads // size)  # fmt: skip
+    elif type(network) is Mamba2Model:
+        mixer = network.args.mixer
+        _check_divisible(size, num_heads=mixer.num_heads, n_groups=mixer.n_groups)
+        for block in network.layers:
+            _shard_mamba2(block.mixer, group)
+        network.args = attrs.evolve(network.args, mixer=network.layers[0].mixer.shape)
+    else:
+        raise ConfigError(f"tensor parallelism (mlx.launch with {size} processes) runs Llama-shaped decoders (llama, "
+                          f"qwen3) and Mamba2; {network.args.model_type} is not one yet: run it in one process")  # fmt: skip
     object.__setattr__(network, "shard", (group.rank(), size))  # not a child module: nn.Module keeps tuples as children
     mx.eval(network.parameters())
+
+
+def _check_divisible(size: int, **counts: int) -> None:
+    for name, count in counts.items():
+        if count % size:
+            raise ConfigError(f"tensor parallelism over {size} processes needs {name} ({count}) divisible by {size}")
+
+
+def _shard_attention(attention, group: mx.distributed.Group) -> None:
+    """Query and KV heads by output rows, the output projection by input columns (its all-reduce)."""
+    for part in ("q_proj", "k_proj", "v_proj"):
+        setattr(attention, part, shard_linear(getattr(attention, part), "all-to-sharded", group=group))
+    attention.o_proj = shard_linear(attention.o_proj, "sharded-to-all", group=group)
+    attention.n_heads //= group.size()
+    attention.n_kv_heads //= group.size()
+
+
+def _shard_mlp(mlp, group: mx.distributed.Group) -> None:
+    mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+    mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+    mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+
+
+def _shard_mamba2(layer, group: mx.distributed.Group) -> None:
+    """A Mamba2 mixer by heads and groups: each rank keeps its heads' gate, ``x`` and ``dt`` and its
+    groups' ``B`` and ``C`` (a head reads its own group's only, so the scan and the gated norm, per
+    group, stay local), the convolution's channels and per-head parameters to match, and the output
+    projection by input columns with its all-reduce."""
+    s, rank, size = layer.shape, group.rank(), group.size()
+    bc = s.n_groups * s.state_size
+    cuts = [s.inner, 2 * s.inner, 2 * s.inner + bc, 2 * s.inner + 2 * bc]  # gate | x | B | C | dt
+    layer.in_proj = shard_linear(layer.in_proj, "all-to-sharded", segments=cuts, group=group)
+    conv = [s.inner, s.inner + bc]  # x | B | C
+    layer.conv1d.weight = _share(layer.conv1d.weight, conv, rank, size)
+    if "bias" in layer.conv1d:
+        layer.conv1d.bias = _share(layer.conv1d.bias, conv, rank, size)
+    for name in ("dt_bias", "A_log", "D"):
+        setattr(layer, name, _share(getattr(layer, name), [], rank, size))
+    layer.norm.weight = _share(layer.norm.weight, [], rank, size)
+    layer.out_proj = shard_linear(layer.out_proj, "sharded-to-all", group=group)
+    layer.shape = attrs.evolve(s, num_heads=s.num_heads // size, n_groups=s.n_groups // size)
+
+
+def _share(array: mx.array, cuts: list[int], rank: int, size: int) -> mx.array:
+    """Rank ``rank``'s part of each segment of ``array``'s first axis (split at ``cuts``), concatenated."""
+    segments = mx.split(array, cuts, axis=0) if cuts else [array]
+    return mx.concatenate([mx.split(segment, size, axis=0)[rank] for segment in segments], axis=0)
 
 
 def total_bytes(nbytes: int, group: mx.distributed.Group | None = None) -> int:

@@ -33,12 +33,18 @@ def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tensor-parallel"), TinySpec(family="qwen3"))
 
 
-@pytest.mark.parametrize("scheme, window", [("raw", 0), ("affine8g32", 0), ("aura4v4", 0), ("raw", 12)])
-def test_two_ranks_give_one_process_tokens_and_logits(model_dir, tmp_path, scheme, window):
-    """Each rank holds half the heads, and half the KV bytes; the ranks' logits are one process's, and so
-    are their greedy tokens, alone and through batched caches, under a window too."""
+@pytest.mark.parametrize("family, scheme, window", [("qwen3", "raw", 0), ("qwen3", "affine8g32", 0), ("qwen3", "aura4v4", 0),
+                                                    ("qwen3", "raw", 12), ("mamba2", "raw", 0)])  # fmt: skip
+def test_two_ranks_give_one_process_tokens_and_logits(model_dir, family_model, tmp_path, family, scheme, window):
+    """Each rank holds half the heads (Mamba2: half the heads and groups), and half the cache bytes; the
+    ranks' logits are one process's, and so are their greedy tokens, alone and through batched caches,
+    under a window too."""
     if scheme.rstrip("0123456789vg") not in get_plugin_host().schemes:
         pytest.skip(f"needs the {scheme} scheme")
+    if family == "mamba2":
+        if "ssm" not in get_plugin_host().schemes:
+            pytest.skip("needs butter-ssm")
+        model_dir = family_model(family)
     output = tmp_path / "ranks.safetensors"
     command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--",
                sys.executable, str(WORKER), str(model_dir), scheme, str(window), str(output)]  # fmt: skip
@@ -67,6 +73,7 @@ def test_a_group_of_one_changes_nothing(model_dir):
     assert model.network.shard == (0, 1) and model.engine.layer_specs()[0].shard == (0, 1)
 
 
+@pytest.mark.usefixtures("raw_scheme")
 def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(model_dir):
     """``mlx.launch -n 2 -- butter generate``: rank 0 prints the one-process text; the summary adds
     all ranks' KV bytes."""
@@ -78,3 +85,11 @@ def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(
     assert alone.returncode == done.returncode == 0, done.stdout + done.stderr
     assert done.stdout == alone.stdout
     assert "tensor parallel: 2 ranks" in done.stderr and done.stderr.count("decode:") == 1
+
+
+def test_a_family_not_sharded_yet_is_refused_naming_it(family_model):
+    butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "generate"]
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter,
+               "-m", str(family_model("qwen3_next")), "-p", "Hi", "--max-tokens", "2"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert "tensor parallelism (mlx.launch with 2 processes)" in done.stderr and "qwen3_next is not one yet" in done.stderr
