@@ -92,7 +92,7 @@ def main() -> None:
             room = (args.memory_gib * 2**30 - weights - (peak - weights - kv)) / per_position
             if show:
                 print(f"| {group.size()} | {scheme} | {context} | {statistics.median(speeds):.1f} | {peak / 2**30:.2f} | "
-                      f"{kv / 2**30:.3f} GiB | {every / 2**30:.3f} GiB | {int(room):,} |")
+                      f"{kv / 2**20:.2f} MiB | {every / 2**20:.2f} MiB | {int(room):,} |")
             del caches
             mx.clear_cache()
     if show:
