@@ -70,6 +70,7 @@ def test_resume_trims_to_the_common_prefix(model_dir, tmp_path, scheme):
     assert load_prompt_cache(tmp_path / "p.safetensors", model).resume(prompt) == len(prompt) - 1
 
 
+@pytest.mark.usefixtures("raw_scheme")
 def test_generate_reuses_the_file_and_prints_the_same_text(capsys, model_dir, tmp_path):
     """``butter generate --prompt-cache``: the first run writes the file, the second reuses all but the
     last prompt token and prints the same greedy text; a longer prompt reuses the whole saved one."""
