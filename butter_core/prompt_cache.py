@@ -13,7 +13,7 @@
 The file holds every layer's ``LayerCache.state()`` in the scheme's own encoded form (aura
 codes, affine codes, raw rows, recurrent states) as tensors ``layer.{i}.{name}``, the token ids
 the caches hold (``tokens``), and metadata: the format and its version, the butter and MLX
-versions, the model's path and fingerprint (its architecture and three embedding rows rounded
+versions, the tensor-parallel rank that saved it (each rank keeps its own heads' file), the model's path and fingerprint (its architecture and three embedding rows rounded
 to bfloat16, so a fine-tune of the same architecture is told apart, and a model loaded in
 another float dtype is not), the schemes (``--kv-cache``, ``--state-cache``) and eviction, and
 per layer its cache class and ``meta_state()``. Loading checks each against the model it is
@@ -40,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from butter_core.cache import LayerCache
+from butter_core.distributed import total_bytes, world
 from butter_core.errors import ConfigError
 from butter_core.layer_caches import kv_cache_kind, layer_kinds
 from butter_core.recurrent import StateSpec
@@ -129,6 +130,7 @@ def save_prompt_cache(path: str | os.PathLike, model: Model, caches: Sequence[La
         "model_fingerprint": model_fingerprint(model),
         **_schemes(model),
         "positions": str(held),
+        "shard": "{}/{}".format(*model.network.shard),
         "layers": json.dumps(layers),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,6 +158,10 @@ def load_prompt_cache(path: str | os.PathLike, model: Model) -> PromptCache:
         raise PromptCacheError(f"{path}: not a butter prompt cache (its metadata has no format {FORMAT!r})")
     if meta.get("version") != str(VERSION):
         raise PromptCacheError(f"{path}: prompt-cache format version {meta.get('version')}; this butter reads {VERSION}")
+    shard = "{}/{}".format(*model.network.shard)
+    if meta.get("shard", "0/1") != shard:
+        raise PromptCacheError(f"{path}: saved by tensor-parallel rank/ranks {meta.get('shard', '0/1')}; this process is "
+                               f"{shard}: each rank loads the file it saved")  # fmt: skip
     if meta.get("model_fingerprint") != model_fingerprint(model):
         raise PromptCacheError(
             f"{path}: saved for another model ({meta.get('model')}); this is {model.path}: "
@@ -186,11 +192,25 @@ def load_prompt_cache(path: str | os.PathLike, model: Model) -> PromptCache:
     return PromptCache(model.engine, caches, tokens)
 
 
+def rank_file(path: str | os.PathLike, model: Model) -> Path:
+    """Where this process keeps ``path``'s prompt cache: ``path`` itself, or under tensor parallelism,
+    where each rank holds its own heads' caches, ``path.rank{r}of{n}``."""
+    path = Path(path)
+    rank, ranks = model.network.shard
+    return path if ranks == 1 else path.with_name(f"{path.name}.rank{rank}of{ranks}")
+
+
 def resume_prompt_cache(path: str | os.PathLike, model: Model, prompt: Sequence[int]) -> tuple[list[LayerCache] | None, int]:
-    """``model``'s caches from ``path`` holding the longest usable prefix of ``prompt``
-    (``PromptCache.resume``) and its length; (None, 0) where ``path`` does not exist yet (a first run)."""
-    if not Path(path).exists():
+    """``model``'s caches from ``path`` (this rank's file: ``rank_file``) holding the longest usable prefix of
+    ``prompt`` (``PromptCache.resume``) and its length; (None, 0) where the file does not exist yet (a first
+    run), or where under tensor parallelism the ranks' files do not give all of them the same prefix (each
+    rank must then run the same forward)."""
+    path = rank_file(path, model)
+    caches, held = None, 0
+    if path.exists():
+        cached = load_prompt_cache(path, model)
+        caches, held = cached.caches, cached.resume(prompt)
+    group = world()
+    if group.size() > 1 and total_bytes(held, group) != held * group.size():
         return None, 0
-    cached = load_prompt_cache(path, model)
-    held = cached.resume(prompt)
-    return cached.caches, held
+    return caches, held

@@ -135,6 +135,15 @@ def test_a_file_of_another_model_scheme_or_window_is_refused_naming_it(saved, mo
 
 
 @pytest.mark.usefixtures("raw_scheme")
+def test_a_file_of_another_tensor_parallel_rank_is_refused(saved, model_dir, tmp_path):
+    arrays, meta = mx.load(str(saved), return_metadata=True)
+    other = tmp_path / "rank1.safetensors"
+    mx.save_safetensors(str(other), arrays, metadata={**meta, "shard": "1/2"})
+    with pytest.raises(PromptCacheError, match="saved by tensor-parallel rank/ranks 1/2; this process is 0/1"):
+        load_prompt_cache(other, example_model(str(model_dir), "raw"))
+
+
+@pytest.mark.usefixtures("raw_scheme")
 def test_unreadable_files_are_refused_naming_them(saved, model_dir, tmp_path):
     model = example_model(str(model_dir), "raw")
     truncated = tmp_path / "truncated.safetensors"

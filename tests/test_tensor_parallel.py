@@ -74,17 +74,25 @@ def test_a_group_of_one_changes_nothing(model_dir):
 
 
 @pytest.mark.usefixtures("raw_scheme")
-def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(model_dir):
-    """``mlx.launch -n 2 -- butter generate``: rank 0 prints the one-process text; the summary adds
-    all ranks' KV bytes."""
+def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(model_dir, tmp_path):
+    """``mlx.launch -n 2 -- butter generate``: rank 0 prints the one-process text; the summary adds all
+    ranks' KV bytes. With ``--prompt-cache`` each rank keeps its own file, and a second run reuses them."""
     argv = ["-m", str(model_dir), "-p", "Once upon a time", "--max-tokens", "8", "--kv-cache", "raw"]
     butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "generate"]
     alone = subprocess.run([*butter, *argv], capture_output=True, text=True, timeout=120)
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter, *argv]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert alone.returncode == done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout == alone.stdout
-    assert "tensor parallel: 2 ranks" in done.stderr and done.stderr.count("decode:") == 1
+    cache = tmp_path / "prompt.safetensors"
+    runs = []
+    for _ in range(2):
+        command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter,
+                   *argv, "--prompt-cache", str(cache)]  # fmt: skip
+        runs.append(subprocess.run(command, capture_output=True, text=True, timeout=300))
+    for done in runs:
+        assert alone.returncode == done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout == alone.stdout
+        assert "tensor parallel: 2 ranks" in done.stderr and done.stderr.count("decode:") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompt.safetensors.rank0of2", "prompt.safetensors.rank1of2"]
+    assert "0 of" in runs[0].stderr and "after" not in runs[0].stderr.split("decode:")[0]
+    assert " held" in runs[1].stderr
 
 
 def test_a_family_not_sharded_yet_is_refused_naming_it(family_model):

@@ -11,7 +11,7 @@ from butter_core.distributed import shared_seed, total_bytes, world
 from butter_core.errors import ConfigError
 from butter_core.generation import format_bytes
 from butter_core.progress import Progress
-from butter_core.prompt_cache import resume_prompt_cache, save_prompt_cache
+from butter_core.prompt_cache import rank_file, resume_prompt_cache, save_prompt_cache
 from butter_core.sampling import Sampler
 
 PROGRESS_DELAY = 2.0
@@ -35,17 +35,15 @@ def add_parser(sub) -> None:
     parser.set_defaults(run=run)
 
 
-def _save(path: str, model, prompt: list[int], held: int, caches) -> None:
-    save_prompt_cache(path, model, caches, prompt)
-    print(f"prompt cache: {held} of {len(prompt)} prompt tokens reused; saved {len(prompt)} to {path}", file=sys.stderr)
+def _save(path: str, model, prompt: list[int], held: int, err, caches) -> None:
+    save_prompt_cache(rank_file(path, model), model, caches, prompt)
+    print(f"prompt cache: {held} of {len(prompt)} prompt tokens reused; saved {len(prompt)} to {path}", file=err)
 
 
 def run(args) -> int:
     if not args.prompt:
         raise ConfigError("-p/--prompt is empty: give the text to generate from")
     group = world()
-    if args.prompt_cache and group.size() > 1:
-        raise ConfigError("--prompt-cache is not supported under tensor parallelism yet (each rank holds its own heads)")
     sampler = Sampler(args.temp, args.top_p, shared_seed(args.seed, group))
     model = load_model(args)
     shown = group.rank() == 0  # under tensor parallelism every rank generates the same tokens; one prints them
@@ -54,7 +52,7 @@ def run(args) -> int:
     caches, held, prefilled = None, 0, None
     if args.prompt_cache:
         caches, held = resume_prompt_cache(args.prompt_cache, model, prompt)
-        prefilled = functools.partial(_save, args.prompt_cache, model, prompt, held)
+        prefilled = functools.partial(_save, args.prompt_cache, model, prompt, held, err)
     prefill = Progress(len(prompt) - held, "prefill", err, delay=PROGRESS_DELAY)
     generation = model.generate(
         prompt[held:], caches, sampler=sampler, max_tokens=args.max_tokens, stop_ids=() if args.ignore_eos else None,
