@@ -19,11 +19,14 @@ mlx-lm's ``shard`` makes it:
   and the gated norm stay local): the input projection's gate, ``x``, ``B``, ``C`` and ``dt`` segments
   each by rows, the convolution's channels and per-head parameters to match, the output
   projection by input columns; each rank's recurrent state holds its heads;
+* a MoE layer (Nemotron-H): each routed expert and the shared expert by intermediate columns, the
+  router replicated (every rank routes every token alike), the partial outputs summed by one
+  all-reduce per layer (``RankSum``);
 * embeddings, norms and the LM head are replicated, so every rank computes the same logits and,
   from the same seed (``shared_seed``), samples the same token.
 
-Families with experts or gated-delta mixers (Qwen3-Next, Granite 4.0-H, Nemotron-H) are refused
-for now (``ConfigError`` naming the family).
+Qwen3-Next (gated delta, gated attention with fewer KV heads than ranks) and Granite 4.0-H (one
+Mamba2 group) are refused for now (``ConfigError`` naming the family), as are MLX-quantized experts.
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ import random
 
 import attrs
 import mlx.core as mx
+from mlx import nn
 from mlx.nn.layers.distributed import shard_linear
 
 from butter_core.errors import ConfigError
 from butter_core.models.base import MLP, Attention, DecoderModel
 from butter_core.models.mamba2 import Mamba2Model
+from butter_core.models.moe import StackedLinear
+from butter_core.models.nemotron_h import ATTENTION, MAMBA, NemotronHModel
+from butter_core.models.nemotron_h import MLP as MLP_LAYER
 
 
 def world() -> mx.distributed.Group:
@@ -67,9 +74,12 @@ def shard_network(network, group: mx.distributed.Group) -> None:
         for block in network.layers:
             _shard_mamba2(block.mixer, group)
         network.args = attrs.evolve(network.args, mixer=network.layers[0].mixer.shape)
+    elif type(network) is NemotronHModel:
+        _shard_nemotron_h(network, group)
     else:
         raise ConfigError(f"tensor parallelism (mlx.launch with {size} processes) runs Llama-shaped decoders (llama, "
-                          f"qwen3) and Mamba2; {network.args.model_type} is not one yet: run it in one process")  # fmt: skip
+                          f"qwen3), Mamba2 and Nemotron-H; {network.args.model_type} is not one yet: run it in one "
+                          "process")  # fmt: skip
     object.__setattr__(network, "shard", (group.rank(), size))  # not a child module: nn.Module keeps tuples as children
     mx.eval(network.parameters())
 
@@ -113,6 +123,73 @@ def _shard_mamba2(layer, group: mx.distributed.Group) -> None:
     layer.norm.weight = _share(layer.norm.weight, [], rank, size)
     layer.out_proj = shard_linear(layer.out_proj, "sharded-to-all", group=group)
     layer.shape = attrs.evolve(s, num_heads=s.num_heads // size, n_groups=s.n_groups // size)
+
+
+def _shard_nemotron_h(network, group: mx.distributed.Group) -> None:
+    """Nemotron-H layer by layer: Mamba2 mixers by heads and groups, attention by heads, squared-ReLU
+    MLPs by columns; a MoE layer's routed experts and shared expert each by intermediate columns
+    (every rank routes every token, replicated router), their partial outputs summed by one
+    all-reduce for the layer (``RankSum``)."""
+    args, size = network.args, group.size()
+    counts = {"intermediate_size": args.intermediate_size}
+    if args.count(ATTENTION):
+        counts |= {"num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads}
+    if args.mamba is not None:
+        counts |= {"mamba_num_heads": args.mamba.num_heads, "n_groups": args.mamba.n_groups}
+    if args.moe is not None:
+        if args.moe.latent_size is not None:
+            raise ConfigError("tensor parallelism does not shard Nemotron-H's latent MoE projection (moe_latent_size) yet")
+        counts |= {"moe_intermediate_size": args.moe.intermediate_size,
+                   "moe_shared_expert_intermediate_size": args.moe.shared_intermediate_size}  # fmt: skip
+    _check_divisible(size, **counts)
+    for block in network.layers:
+        if block.layer_type == MAMBA:
+            _shard_mamba2(block.mixer, group)
+        elif block.layer_type == ATTENTION:
+            _shard_attention(block.mixer, group)
+        elif block.layer_type == MLP_LAYER:
+            block.mixer.up_proj = shard_linear(block.mixer.up_proj, "all-to-sharded", group=group)
+            block.mixer.down_proj = shard_linear(block.mixer.down_proj, "sharded-to-all", group=group)
+        else:
+            moe = block.mixer
+            experts = moe.switch_mlp
+            if not isinstance(experts.fc1, StackedLinear) or not isinstance(experts.fc2, StackedLinear):
+                raise ConfigError("tensor parallelism does not shard MLX-quantized experts yet: load a float checkpoint")
+            experts.fc1.weight = _share(experts.fc1.weight.swapaxes(0, 1), [], group.rank(), size).swapaxes(0, 1)
+            if "bias" in experts.fc1:
+                experts.fc1.bias = _share(experts.fc1.bias.T, [], group.rank(), size).T
+            experts.fc2.weight = _share(experts.fc2.weight.swapaxes(0, 2), [], group.rank(), size).swapaxes(0, 2)
+            _partial_bias(experts.fc2, group.rank())
+            shared = moe.shared_experts
+            shared.up_proj = shard_linear(shared.up_proj, "all-to-sharded", group=group)
+            shared.down_proj.weight = _share(shared.down_proj.weight.T, [], group.rank(), size).T
+            _partial_bias(shared.down_proj, group.rank())
+            block.mixer = RankSum(moe, group)
+    mamba = network.args.mamba
+    network.args = attrs.evolve(
+        args, num_attention_heads=args.num_attention_heads // size, num_key_value_heads=args.num_key_value_heads // size,
+        mamba=None if mamba is None else attrs.evolve(mamba, num_heads=mamba.num_heads // size,
+                                                      n_groups=mamba.n_groups // size),
+    )  # fmt: skip
+
+
+def _partial_bias(layer, rank: int) -> None:
+    """A layer whose outputs the ranks sum: its bias added once (rank 0's), not once per rank."""
+    if "bias" in layer and rank:
+        layer.bias = mx.zeros_like(layer.bias)
+
+
+class RankSum(nn.Module):
+    """``inner``'s output summed over the group: each rank computes its share of a sum (a MoE layer's
+    experts' columns), and one all-reduce adds them."""
+
+    def __init__(self, inner: nn.Module, group: mx.distributed.Group):
+        super().__init__()
+        self.inner = inner
+        object.__setattr__(self, "group", group)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.distributed.all_sum(self.inner(x), group=self.group)
 
 
 def _share(array: mx.array, cuts: list[int], rank: int, size: int) -> mx.array:

@@ -34,14 +34,16 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family, scheme, window", [("qwen3", "raw", 0), ("qwen3", "affine8g32", 0), ("qwen3", "aura4v4", 0),
-                                                    ("qwen3", "raw", 12), ("mamba2", "raw", 0)])  # fmt: skip
+                                                    ("qwen3", "raw", 12), ("mamba2", "raw", 0), ("nemotron_h", "raw", 0),
+                                                    ("nemotron_h", "aura4v4", 0)])  # fmt: skip
 def test_two_ranks_give_one_process_tokens_and_logits(model_dir, family_model, tmp_path, family, scheme, window):
-    """Each rank holds half the heads (Mamba2: half the heads and groups), and half the cache bytes; the
+    """Each rank holds half the heads (Mamba2: half the heads and groups; Nemotron-H's MoE: half each
+    expert's columns), and half the cache bytes; the
     ranks' logits are one process's, and so are their greedy tokens, alone and through batched caches,
     under a window too."""
     if scheme.rstrip("0123456789vg") not in get_plugin_host().schemes:
         pytest.skip(f"needs the {scheme} scheme")
-    if family == "mamba2":
+    if family != "qwen3":
         if "ssm" not in get_plugin_host().schemes:
             pytest.skip("needs butter-ssm")
         model_dir = family_model(family)
