@@ -97,6 +97,7 @@ def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(
     assert " held" in runs[1].stderr
 
 
+@pytest.mark.usefixtures("raw_scheme")
 def test_a_family_not_sharded_yet_is_refused_naming_it(family_model):
     butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "generate"]
     command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter,
