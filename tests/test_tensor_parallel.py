@@ -104,3 +104,13 @@ def test_a_family_not_sharded_yet_is_refused_naming_it(family_model):
                "-m", str(family_model("qwen3_next")), "-p", "Hi", "--max-tokens", "2"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert "tensor parallelism (mlx.launch with 2 processes)" in done.stderr and "qwen3_next is not one yet" in done.stderr
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_butter_inspect_under_mlx_launch_reports_each_rank_and_all(model_dir):
+    butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "inspect"]
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter,
+               "-m", str(model_dir), "--max-context", "256"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert "tensor parallel: rank 0 of 2" in done.stdout and "tensor parallel: rank 1 of 2" in done.stdout, done.stderr
+    assert "K/V [1, 1, 256, 32]" in done.stdout  # each rank: one of the two KV heads
