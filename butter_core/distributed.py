@@ -19,14 +19,18 @@ mlx-lm's ``shard`` makes it:
   and the gated norm stay local): the input projection's gate, ``x``, ``B``, ``C`` and ``dt`` segments
   each by rows, the convolution's channels and per-head parameters to match, the output
   projection by input columns; each rank's recurrent state holds its heads;
-* a MoE layer (Nemotron-H): each routed expert and the shared expert by intermediate columns, the
-  router replicated (every rank routes every token alike), the partial outputs summed by one
-  all-reduce per layer (``RankSum``);
+* a gated delta layer (Qwen3-Next) by key heads with their value heads: the ``q | k | v | z`` and
+  ``b | a`` projection segments, the convolution's channels and per-head parameters sliced, the
+  output projection by columns; its gated attention by query heads, with KV heads sharded where
+  they divide among the ranks and kept whole on every rank where there is one (``kv_shard``);
+* a MoE layer (Nemotron-H, Qwen3-Next): each routed expert and the shared expert by intermediate
+  columns, the router (and shared-expert gate) replicated, so every rank routes every token alike,
+  the partial outputs summed by one all-reduce per layer (``RankSum``);
 * embeddings, norms and the LM head are replicated, so every rank computes the same logits and,
   from the same seed (``shared_seed``), samples the same token.
 
-Qwen3-Next (gated delta, gated attention with fewer KV heads than ranks) and Granite 4.0-H (one
-Mamba2 group) are refused for now (``ConfigError`` naming the family), as are MLX-quantized experts.
+Granite 4.0-H (one Mamba2 group: ``B``/``C`` would be replicated and the gated norm's sum of squares
+all-reduced) is refused for now (``ConfigError`` naming the family), as are MLX-quantized experts.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from butter_core.models.mamba2 import Mamba2Model
 from butter_core.models.moe import StackedLinear
 from butter_core.models.nemotron_h import ATTENTION, MAMBA, NemotronHModel
 from butter_core.models.nemotron_h import MLP as MLP_LAYER
+from butter_core.models.qwen3_next import FULL_ATTENTION, Qwen3NextModel
 
 
 def world() -> mx.distributed.Group:
@@ -76,11 +81,15 @@ def shard_network(network, group: mx.distributed.Group) -> None:
         network.args = attrs.evolve(network.args, mixer=network.layers[0].mixer.shape)
     elif type(network) is NemotronHModel:
         _shard_nemotron_h(network, group)
+    elif type(network) is Qwen3NextModel:
+        _shard_qwen3_next(network, group)
     else:
         raise ConfigError(f"tensor parallelism (mlx.launch with {size} processes) runs Llama-shaped decoders (llama, "
-                          f"qwen3), Mamba2 and Nemotron-H; {network.args.model_type} is not one yet: run it in one "
-                          "process")  # fmt: skip
+                          f"qwen3), Mamba2, Nemotron-H and Qwen3-Next; {network.args.model_type} is not one yet: run it "
+                          "in one process")  # fmt: skip
     object.__setattr__(network, "shard", (group.rank(), size))  # not a child module: nn.Module keeps tuples as children
+    if not getattr(network, "kv_replicated", False):
+        object.__setattr__(network, "kv_shard", (group.rank(), size))
     mx.eval(network.parameters())
 
 
@@ -171,6 +180,68 @@ def _shard_nemotron_h(network, group: mx.distributed.Group) -> None:
         mamba=None if mamba is None else attrs.evolve(mamba, num_heads=mamba.num_heads // size,
                                                       n_groups=mamba.n_groups // size),
     )  # fmt: skip
+
+
+def _shard_qwen3_next(network, group: mx.distributed.Group) -> None:
+    """Qwen3-Next layer by layer: a gated delta layer by key heads (with their value heads: the
+    projections' ``q | k | v | z`` and ``b | a`` segments, the convolution's ``q | k | v`` channels and
+    the per-value-head parameters sliced to match); gated attention by query heads, its KV heads
+    sharded too where there are as many as ranks, else kept whole on every rank (``kv_replicated``);
+    a MoE layer's experts and shared expert by intermediate columns, summed by one all-reduce
+    (``RankSum``), a dense MLP by columns."""
+    args, rank, size = network.args, group.rank(), group.size()
+    linear = args.linear
+    replicated = args.num_key_value_heads < size and args.num_key_value_heads == 1
+    counts = {"num_attention_heads": args.num_attention_heads, "linear_num_key_heads": linear.key_heads,
+              "linear_num_value_heads": linear.value_heads}  # fmt: skip
+    if not replicated:
+        counts["num_key_value_heads"] = args.num_key_value_heads
+    if any(args.sparse_layers):
+        counts |= {"moe_intermediate_size": args.moe_intermediate_size,
+                   "shared_expert_intermediate_size": args.shared_expert_intermediate_size}  # fmt: skip
+    if not all(args.sparse_layers):
+        counts["intermediate_size"] = args.intermediate_size
+    _check_divisible(size, **counts)
+    for layer in network.layers:
+        if layer.layer_type == FULL_ATTENTION:
+            attention = layer.self_attn
+            attention.q_proj = shard_linear(attention.q_proj, "all-to-sharded", group=group)
+            attention.o_proj = shard_linear(attention.o_proj, "sharded-to-all", group=group)
+            attention.n_heads //= size
+            if not replicated:
+                attention.k_proj = shard_linear(attention.k_proj, "all-to-sharded", group=group)
+                attention.v_proj = shard_linear(attention.v_proj, "all-to-sharded", group=group)
+                attention.n_kv_heads //= size
+        else:
+            delta, s = layer.linear_attn, linear
+            delta.in_proj_qkvz = shard_linear(delta.in_proj_qkvz, "all-to-sharded", segments=[s.keys, 2 * s.keys,
+                                              s.conv_dim], group=group)  # fmt: skip
+            delta.in_proj_ba = shard_linear(delta.in_proj_ba, "all-to-sharded", segments=[s.value_heads], group=group)
+            delta.conv1d.weight = _share(delta.conv1d.weight, [s.keys, 2 * s.keys], rank, size)
+            delta.dt_bias = _share(delta.dt_bias, [], rank, size)
+            delta.A_log = _share(delta.A_log, [], rank, size)
+            delta.out_proj = shard_linear(delta.out_proj, "sharded-to-all", group=group)
+            delta.shape = attrs.evolve(s, key_heads=s.key_heads // size, value_heads=s.value_heads // size)
+        if isinstance(layer.mlp, MLP):
+            _shard_mlp(layer.mlp, group)
+            continue
+        experts = layer.mlp.switch_mlp
+        if not all(isinstance(p, StackedLinear) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)):
+            raise ConfigError("tensor parallelism does not shard MLX-quantized experts yet: load a float checkpoint")
+        for projection in (experts.gate_proj, experts.up_proj):
+            projection.weight = _share(projection.weight.swapaxes(0, 1), [], rank, size).swapaxes(0, 1)
+        experts.down_proj.weight = _share(experts.down_proj.weight.swapaxes(0, 2), [], rank, size).swapaxes(0, 2)
+        shared = layer.mlp.shared_expert
+        shared.gate_proj = shard_linear(shared.gate_proj, "all-to-sharded", group=group)
+        shared.up_proj = shard_linear(shared.up_proj, "all-to-sharded", group=group)
+        shared.down_proj.weight = _share(shared.down_proj.weight.T, [], rank, size).T
+        layer.mlp = RankSum(layer.mlp, group)
+    network.args = attrs.evolve(
+        args, num_attention_heads=args.num_attention_heads // size,
+        num_key_value_heads=args.num_key_value_heads if replicated else args.num_key_value_heads // size,
+        linear=attrs.evolve(linear, key_heads=linear.key_heads // size, value_heads=linear.value_heads // size),
+    )  # fmt: skip
+    object.__setattr__(network, "kv_replicated", replicated)
 
 
 def _partial_bias(layer, rank: int) -> None:

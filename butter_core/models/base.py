@@ -358,6 +358,9 @@ class LayerStack(nn.Module):
     layers: list[nn.Module]
     shard: tuple[int, int] = (0, 1)
     """``(rank, ranks)``: the share of heads this process runs (``butter_core.distributed.shard_network``)."""
+    kv_shard: tuple[int, int] = (0, 1)
+    """``LayerSpec.shard`` of the attention layers: ``shard``, or ``(0, 1)`` where every rank keeps the
+    layer's KV heads whole (fewer KV heads than ranks)."""
 
     def layer_windows(self) -> list[Window | None]:
         """Per ``layer_specs`` entry, the window the family bounds its attention by (None: none).
@@ -446,7 +449,7 @@ class DecoderModel(LanguageModel):
         args = self.args
         return [
             LayerSpec(args.num_key_value_heads, args.head_dim, max_positions, dtype=self.dtype, layer_index=index,
-                      shard=self.shard)
+                      shard=self.kv_shard)
             for index in range(args.num_hidden_layers)
         ]
 
