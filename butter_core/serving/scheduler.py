@@ -165,8 +165,8 @@ class Scheduler:
         caches' pages: ``BatchGeneration.check_fits``)."""
         self._batch.check_fits(len(prompt), max_tokens)
         ticket = Ticket(asyncio.get_running_loop(), len(prompt))
-        with self._lock:
-            if len(self._incoming) + self._batch.active >= self.max_sessions + self.max_queue:
+        with self._lock:  # the published count includes requests the thread has taken but not yet added
+            if len(self._incoming) + self._published[0] >= self.max_sessions + self.max_queue:
                 raise QueueFull(f"{self.max_sessions} sessions are busy and {self.max_queue} requests wait")
             self._incoming.append(_Submission(ticket, prompt, max_tokens, sampler, stop_ids))
             self._lock.notify()
