@@ -35,6 +35,7 @@ all-reduced) is refused for now (``ConfigError`` naming the family), as are MLX-
 
 from __future__ import annotations
 
+import os
 import random
 
 import attrs
@@ -52,8 +53,10 @@ from butter_core.models.qwen3_next import FULL_ATTENTION, Qwen3NextModel
 
 
 def world() -> mx.distributed.Group:
-    """The global group: every process ``mlx.launch`` started, or this process alone."""
-    return mx.distributed.init()
+    """The global group: every process ``mlx.launch`` started (it sets ``MLX_RANK``), or this process
+    alone. A process not launched so asks only the ring backend, which without a host file is a group
+    of one: no other backend (NCCL on a CUDA machine) is touched by a plain ``butter generate``."""
+    return mx.distributed.init(backend="any" if "MLX_RANK" in os.environ else "ring")
 
 
 def shard_network(network, group: mx.distributed.Group) -> None:
