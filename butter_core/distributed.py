@@ -18,23 +18,27 @@ mlx-lm's ``shard`` makes it:
 * a Mamba2 mixer by heads and groups (each head reads its own group's ``B`` and ``C``, so the scan
   and the gated norm stay local): the input projection's gate, ``x``, ``B``, ``C`` and ``dt`` segments
   each by rows, the convolution's channels and per-head parameters to match, the output
-  projection by input columns; each rank's recurrent state holds its heads;
+  projection by input columns; each rank's recurrent state holds its heads. With one group
+  (Granite 4.0-H) every rank keeps ``B`` and ``C`` whole and the gated norm sums its squares across
+  the ranks;
 * a gated delta layer (Qwen3-Next) by key heads with their value heads: the ``q | k | v | z`` and
   ``b | a`` projection segments, the convolution's channels and per-head parameters sliced, the
   output projection by columns; its gated attention by query heads, with KV heads sharded where
   they divide among the ranks and kept whole on every rank where there is one (``kv_shard``);
-* a MoE layer (Nemotron-H, Qwen3-Next): each routed expert and the shared expert by intermediate
+* a MoE layer (Nemotron-H, Qwen3-Next, Granite 4.0-H): each routed expert and the shared expert by intermediate
   columns, the router (and shared-expert gate) replicated, so every rank routes every token alike,
   the partial outputs summed by one all-reduce per layer (``RankSum``);
 * embeddings, norms and the LM head are replicated, so every rank computes the same logits and,
   from the same seed (``shared_seed``), samples the same token.
 
-Granite 4.0-H (one Mamba2 group: ``B``/``C`` would be replicated and the gated norm's sum of squares
-all-reduced) is refused for now (``ConfigError`` naming the family), as are MLX-quantized experts.
+Every family butter loads runs so (llama, qwen3, mamba2, nemotron_h, qwen3_next, granitemoehybrid).
+MLX-quantized experts, a quantized Mamba2 input projection with one group, and head counts that do
+not divide among the ranks are refused (``ConfigError`` naming what).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -45,6 +49,8 @@ from mlx.nn.layers.distributed import shard_linear
 
 from butter_core.errors import ConfigError
 from butter_core.models.base import MLP, Attention, DecoderModel
+from butter_core.models.granitemoehybrid import MAMBA as GRANITE_MAMBA
+from butter_core.models.granitemoehybrid import GraniteMoeHybridModel
 from butter_core.models.mamba2 import Mamba2Model
 from butter_core.models.moe import StackedLinear
 from butter_core.models.nemotron_h import ATTENTION, MAMBA, NemotronHModel
@@ -86,10 +92,12 @@ def shard_network(network, group: mx.distributed.Group) -> None:
         _shard_nemotron_h(network, group)
     elif type(network) is Qwen3NextModel:
         _shard_qwen3_next(network, group)
+    elif type(network) is GraniteMoeHybridModel:
+        _shard_granite(network, group)
     else:
-        raise ConfigError(f"tensor parallelism (mlx.launch with {size} processes) runs Llama-shaped decoders (llama, "
-                          f"qwen3), Mamba2, Nemotron-H and Qwen3-Next; {network.args.model_type} is not one yet: run it "
-                          "in one process")  # fmt: skip
+        raise ConfigError(f"tensor parallelism (mlx.launch with {size} processes) runs the llama, qwen3, mamba2, "
+                          f"nemotron_h, qwen3_next and granitemoehybrid families; {network.args.model_type} is not one of "
+                          "them yet: run it in one process")  # fmt: skip
     object.__setattr__(network, "shard", (group.rank(), size))  # not a child module: nn.Module keeps tuples as children
     if not getattr(network, "kv_replicated", False):
         object.__setattr__(network, "kv_shard", (group.rank(), size))
@@ -118,23 +126,104 @@ def _shard_mlp(mlp, group: mx.distributed.Group) -> None:
 
 
 def _shard_mamba2(layer, group: mx.distributed.Group) -> None:
-    """A Mamba2 mixer by heads and groups: each rank keeps its heads' gate, ``x`` and ``dt`` and its
-    groups' ``B`` and ``C`` (a head reads its own group's only, so the scan and the gated norm, per
-    group, stay local), the convolution's channels and per-head parameters to match, and the output
-    projection by input columns with its all-reduce."""
+    """A Mamba2 mixer by heads: each rank keeps its heads' gate, ``x`` and ``dt``, the convolution's
+    channels and per-head parameters to match, and the output projection by input columns with its
+    all-reduce. With as many groups as ranks or more, each rank keeps its groups' ``B`` and ``C`` (a
+    head reads its own group's only, so the scan and the per-group gated norm stay local); with one
+    group, every rank keeps ``B`` and ``C`` whole and the gated norm, over all heads' channels, sums
+    its squares across the ranks (``_gated_norm_across``)."""
     s, rank, size = layer.shape, group.rank(), group.size()
     bc = s.n_groups * s.state_size
-    cuts = [s.inner, 2 * s.inner, 2 * s.inner + bc, 2 * s.inner + 2 * bc]  # gate | x | B | C | dt
-    layer.in_proj = shard_linear(layer.in_proj, "all-to-sharded", segments=cuts, group=group)
-    conv = [s.inner, s.inner + bc]  # x | B | C
-    layer.conv1d.weight = _share(layer.conv1d.weight, conv, rank, size)
+    if s.n_groups % size == 0:
+        cuts = [s.inner, 2 * s.inner, 2 * s.inner + bc, 2 * s.inner + 2 * bc]  # gate | x | B | C | dt
+        layer.in_proj = shard_linear(layer.in_proj, "all-to-sharded", segments=cuts, group=group)
+        conv = _share_index(s.conv_dim, [s.inner, s.inner + bc], rank, size)  # x | B | C
+        groups = s.n_groups // size
+    elif s.n_groups == 1:
+        mine = _share_index(s.inner, [], rank, size)
+        whole = mx.arange(2 * bc, dtype=mx.int32)
+        heads = _share_index(s.num_heads, [], rank, size)
+        layer.in_proj = _linear_rows(layer.in_proj, mx.concatenate([mine, s.inner + mine, 2 * s.inner + whole,
+                                                                    2 * s.inner + 2 * bc + heads]))  # fmt: skip
+        conv = mx.concatenate([mine, s.inner + whole])
+        groups = 1
+        layer.norm_across = functools.partial(_gated_norm_across, group=group, channels=s.inner)
+    else:
+        raise ConfigError(f"tensor parallelism over {size} processes needs a Mamba2 n_groups ({s.n_groups}) divisible "
+                          f"by {size}, or 1")  # fmt: skip
+    layer.conv1d.weight = layer.conv1d.weight[conv]
     if "bias" in layer.conv1d:
-        layer.conv1d.bias = _share(layer.conv1d.bias, conv, rank, size)
+        layer.conv1d.bias = layer.conv1d.bias[conv]
     for name in ("dt_bias", "A_log", "D"):
         setattr(layer, name, _share(getattr(layer, name), [], rank, size))
     layer.norm.weight = _share(layer.norm.weight, [], rank, size)
     layer.out_proj = shard_linear(layer.out_proj, "sharded-to-all", group=group)
-    layer.shape = attrs.evolve(s, num_heads=s.num_heads // size, n_groups=s.n_groups // size)
+    layer.shape = attrs.evolve(s, num_heads=s.num_heads // size, n_groups=groups)
+
+
+def _gated_norm_across(x: mx.array, gate: mx.array, weight: mx.array, *, eps: float, group: mx.distributed.Group,
+                       channels: int) -> mx.array:  # fmt: skip
+    """``recurrent_ops.gate_then_rms_norm`` over one group of ``channels`` that the ranks hold in parts:
+    the mean square is each rank's sum of squares, all-reduced."""
+    gated = x.astype(mx.float32) * nn.silu(gate.astype(mx.float32))
+    squares = mx.distributed.all_sum(mx.sum(gated * gated, axis=-1, keepdims=True), group=group)
+    return (gated * mx.rsqrt(squares / channels + eps) * weight.astype(mx.float32)).astype(x.dtype)
+
+
+def _linear_rows(linear, rows: mx.array):
+    """A float ``nn.Linear`` keeping output ``rows`` only (an MLX-quantized one is refused)."""
+    if type(linear) is not nn.Linear:
+        raise ConfigError("tensor parallelism does not slice MLX-quantized projections by rows yet: load a float checkpoint")
+    out = nn.Linear(linear.weight.shape[1], rows.size, bias="bias" in linear)
+    out.weight = linear.weight[rows]
+    if "bias" in linear:
+        out.bias = linear.bias[rows]
+    return out
+
+
+def _shard_granite(network, group: mx.distributed.Group) -> None:
+    """Granite 4.0-H layer by layer: Mamba2 mixers by heads (its one group's ``B``/``C`` whole on every
+    rank), attention by heads, the MoE's experts by intermediate columns and the shared MLP by columns,
+    each summed by an all-reduce, or a dense MLP by columns."""
+    args, size = network.args, group.size()
+    counts = {"num_attention_heads": args.num_attention_heads, "num_key_value_heads": args.num_key_value_heads,
+              "intermediate_size": args.intermediate_size, "shared_intermediate_size": args.shared_intermediate_size}  # fmt: skip
+    if args.mamba is not None:
+        counts["mamba_n_heads"] = args.mamba.num_heads
+    _check_divisible(size, **counts)
+    for layer in network.layers:
+        if layer.layer_type == GRANITE_MAMBA:
+            _shard_mamba2(layer.mamba, group)
+        else:
+            _shard_attention(layer.self_attn, group)
+        if "mlp" in layer:
+            _shard_mlp(layer.mlp, group)
+            continue
+        _shard_experts(layer.block_sparse_moe.switch_mlp, ("gate_proj", "up_proj"), "down_proj", group.rank(), size)
+        layer.block_sparse_moe = RankSum(layer.block_sparse_moe, group)
+        shared = layer.shared_mlp
+        shared.input_linear = shard_linear(shared.input_linear, "all-to-sharded", segments=2, group=group)  # gate | up
+        shared.output_linear = shard_linear(shared.output_linear, "sharded-to-all", group=group)
+    mamba = args.mamba
+    network.args = attrs.evolve(
+        args, num_attention_heads=args.num_attention_heads // size, num_key_value_heads=args.num_key_value_heads // size,
+        mamba=None if mamba is None else network.layers[args.layer_indices(GRANITE_MAMBA)[0]].mamba.shape,
+    )  # fmt: skip
+
+
+def _shard_experts(experts, first: tuple[str, ...], last: str, rank: int, size: int) -> None:
+    """Stacked experts (``moe.StackedLinear``, ``[E, out, in]``) by intermediate columns: the ``first``
+    projections by output rows, ``last`` by input columns, its bias kept on rank 0 (the ranks' outputs
+    are summed); MLX-quantized experts are refused."""
+    projections = [getattr(experts, name) for name in (*first, last)]
+    if not all(isinstance(p, StackedLinear) for p in projections):
+        raise ConfigError("tensor parallelism does not shard MLX-quantized experts yet: load a float checkpoint")
+    for projection in projections[:-1]:
+        projection.weight = _share(projection.weight.swapaxes(0, 1), [], rank, size).swapaxes(0, 1)
+        if "bias" in projection:
+            projection.bias = _share(projection.bias.T, [], rank, size).T
+    projections[-1].weight = _share(projections[-1].weight.swapaxes(0, 2), [], rank, size).swapaxes(0, 2)
+    _partial_bias(projections[-1], rank)
 
 
 def _shard_nemotron_h(network, group: mx.distributed.Group) -> None:
@@ -164,14 +253,7 @@ def _shard_nemotron_h(network, group: mx.distributed.Group) -> None:
             block.mixer.down_proj = shard_linear(block.mixer.down_proj, "sharded-to-all", group=group)
         else:
             moe = block.mixer
-            experts = moe.switch_mlp
-            if not isinstance(experts.fc1, StackedLinear) or not isinstance(experts.fc2, StackedLinear):
-                raise ConfigError("tensor parallelism does not shard MLX-quantized experts yet: load a float checkpoint")
-            experts.fc1.weight = _share(experts.fc1.weight.swapaxes(0, 1), [], group.rank(), size).swapaxes(0, 1)
-            if "bias" in experts.fc1:
-                experts.fc1.bias = _share(experts.fc1.bias.T, [], group.rank(), size).T
-            experts.fc2.weight = _share(experts.fc2.weight.swapaxes(0, 2), [], group.rank(), size).swapaxes(0, 2)
-            _partial_bias(experts.fc2, group.rank())
+            _shard_experts(moe.switch_mlp, ("fc1",), "fc2", group.rank(), size)
             shared = moe.shared_experts
             shared.up_proj = shard_linear(shared.up_proj, "all-to-sharded", group=group)
             shared.down_proj.weight = _share(shared.down_proj.weight.T, [], group.rank(), size).T
@@ -228,12 +310,7 @@ def _shard_qwen3_next(network, group: mx.distributed.Group) -> None:
         if isinstance(layer.mlp, MLP):
             _shard_mlp(layer.mlp, group)
             continue
-        experts = layer.mlp.switch_mlp
-        if not all(isinstance(p, StackedLinear) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)):
-            raise ConfigError("tensor parallelism does not shard MLX-quantized experts yet: load a float checkpoint")
-        for projection in (experts.gate_proj, experts.up_proj):
-            projection.weight = _share(projection.weight.swapaxes(0, 1), [], rank, size).swapaxes(0, 1)
-        experts.down_proj.weight = _share(experts.down_proj.weight.swapaxes(0, 2), [], rank, size).swapaxes(0, 2)
+        _shard_experts(layer.mlp.switch_mlp, ("gate_proj", "up_proj"), "down_proj", rank, size)
         shared = layer.mlp.shared_expert
         shared.gate_proj = shard_linear(shared.gate_proj, "all-to-sharded", group=group)
         shared.up_proj = shard_linear(shared.up_proj, "all-to-sharded", group=group)
@@ -264,6 +341,11 @@ class RankSum(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.distributed.all_sum(self.inner(x), group=self.group)
+
+
+def _share_index(length: int, cuts: list[int], rank: int, size: int) -> mx.array:
+    """The indices of ``_share``'s rows: rank ``rank``'s part of each segment of ``[0, length)``."""
+    return _share(mx.arange(length, dtype=mx.int32), cuts, rank, size)
 
 
 def _share(array: mx.array, cuts: list[int], rank: int, size: int) -> mx.array:

@@ -106,6 +106,10 @@ def read_mamba2_shape(read: ConfigReader, keys: dict[str, tuple[str, Any]] = MAM
 class Mamba2Layer(nn.Module):
     """A Mamba2 mixer (Hugging Face's ``mixer``): projections around the convolution and scan its cache runs."""
 
+    norm_across = None
+    """Where the gated norm's group spans tensor-parallel ranks: the norm that sums across them
+    (``butter_core.distributed``); None: each group is held whole here."""
+
     def __init__(self, shape: Mamba2Shape):
         super().__init__()
         self.shape = shape
@@ -141,8 +145,11 @@ class Mamba2Layer(nn.Module):
         gate, xbc, dt = mx.split(self.in_proj(x), [s.inner, s.inner + s.conv_dim], axis=-1)
         mixer = self.mixer()
         y = mixer.reference(None, None, xbc, dt)[0] if cache is None else cache.update_and_mix(mixer, xbc, dt)
-        y = gate_then_rms_norm(y.reshape(batch, tokens, s.inner), gate, self.norm.weight, eps=s.norm_eps,
-                               group_size=s.inner // s.n_groups)  # fmt: skip
+        y = y.reshape(batch, tokens, s.inner)
+        if self.norm_across is None:
+            y = gate_then_rms_norm(y, gate, self.norm.weight, eps=s.norm_eps, group_size=s.inner // s.n_groups)
+        else:
+            y = self.norm_across(y, gate, self.norm.weight, eps=s.norm_eps)
         return self.out_proj(y)
 
 
