@@ -8,13 +8,17 @@ interleaved in one run:
 * ``plugin``: caches from ``make_layer_caches`` (entry point → scheme → create), which
   is how butter runs models;
 * ``hook-per-call``: the design we rejected, a pluggy hook call per layer per step
-  in front of the same cache (shows what binding at creation saves).
+  in front of the same cache (shows what binding at creation saves);
+* ``slice+sdpa``: no cache object of ours, mlx-lm's ``KVCache`` in miniature (preallocated
+  buffers, two slice assignments, ``mx.fast.scaled_dot_product_attention`` over the live
+  slice): the floor a cache wrapper is measured against (issue 32: butter raw's decode
+  attention at most 1.05x SDPA called directly).
 
 Two times per variant: the whole step (graph built and evaluated) and the Python
 time to build the step's graph alone, which is all a dispatch layer can add (on a
 GPU the evaluation runs asynchronously, so building is the host-side cost per token).
 Prints medians and the overhead ratios. Usage:
-    python bench/dispatch_overhead.py [--context 1024] [--steps 200]
+    python bench/dispatch_overhead.py [--context 1024] [--steps 200] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from butter_raw import Raw
 from butter_raw.cache import RawCache
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
-DTYPE = mx.float32  # the CPU runs models in float32 (fp16 arithmetic is slow there)
+DTYPE = mx.float32
+"""The CPU runs models in float32 (fp16 arithmetic is slow there); ``--dtype bfloat16`` takes the path
+a GPU decode takes (a float32 step on the CPU goes through ``cpu_attention.decode_attention``)."""
 
 spec_marker = pluggy.HookspecMarker("butter_bench")
 impl_marker = pluggy.HookimplMarker("butter_bench")
@@ -49,6 +55,29 @@ class Impl:
         return cache.update_and_attend(queries, keys, values, scale=scale)
 
 
+class SliceAssign:
+    """mlx-lm's ``KVCache`` in miniature: the ``slice+sdpa`` variant."""
+
+    def __init__(self, spec: LayerSpec):
+        self.keys = mx.zeros((1, KV_HEADS, spec.max_positions, HEAD_DIM), DTYPE)
+        self.values = mx.zeros_like(self.keys)
+        self.offset = 0
+
+    def append(self, keys, values):
+        end = self.offset + keys.shape[2]
+        self.keys[:, :, self.offset : end] = keys
+        self.values[:, :, self.offset : end] = values
+        self.offset = end
+
+    def prepare_for_attention(self):
+        return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+
+    def update_and_attend(self, queries, keys, values, *, scale):
+        self.append(keys, values)
+        live_keys, live_values = self.prepare_for_attention()
+        return mx.fast.scaled_dot_product_attention(queries, live_keys, live_values, scale=scale)
+
+
 def filled(caches, context):
     keys = mx.random.normal((1, KV_HEADS, context, HEAD_DIM)).astype(DTYPE)
     for cache in caches:
@@ -61,7 +90,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
+    global DTYPE
+    DTYPE = getattr(mx, args.dtype)
 
     specs = [LayerSpec(KV_HEADS, HEAD_DIM, args.context + args.steps * 3 + 8, DTYPE, i) for i in range(LAYERS)]
     pm = pluggy.PluginManager("butter_bench")
@@ -80,6 +112,7 @@ def main() -> None:
         "direct": (filled([RawCache(s, Raw()) for s in specs], args.context), direct_step),
         "plugin": (filled(make_layer_caches(Raw(), specs), args.context), direct_step),
         "hook-per-call": (filled([RawCache(s, Raw()) for s in specs], args.context), hook_step),
+        "slice+sdpa": (filled([SliceAssign(s) for s in specs], args.context), direct_step),
     }
     q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM)).astype(DTYPE)
     k = mx.random.normal((1, KV_HEADS, 1, HEAD_DIM)).astype(DTYPE)
@@ -98,7 +131,8 @@ def main() -> None:
 
     step = {name: statistics.median(t) for name, t in step_times.items()}
     build = {name: statistics.median(t) for name, t in build_times.items()}
-    print(f"mlx {mx.__version__} on {mx.default_device()}, {LAYERS} layers, context {args.context}, {args.steps} steps")
+    print(f"mlx {mx.__version__} on {mx.default_device()}, {LAYERS} layers, context {args.context}, {args.steps} steps, "
+          f"{args.dtype}")
     print(f"  {'variant':14s} {'step ms':>9s} {'vs direct':>10s} {'build us':>9s} {'build/step':>10s}")
     for name in variants:
         print(
@@ -107,6 +141,8 @@ def main() -> None:
         )
     extra = (build["hook-per-call"] - build["direct"]) / LAYERS
     print(f"  a pluggy call per layer would add ~{extra * 1e6:.2f} us per layer per step")
+    print(f"  butter raw's host build per layer: {build['plugin'] / LAYERS * 1e6:.2f} us against slice+sdpa's "
+          f"{build['slice+sdpa'] / LAYERS * 1e6:.2f} ({build['plugin'] / build['slice+sdpa']:.2f}x)")
 
 
 if __name__ == "__main__":

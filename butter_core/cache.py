@@ -90,16 +90,16 @@ def check_chunk(spec: LayerSpec, keys: mx.array, values: mx.array, queries: mx.a
     head_dim]`` with ``n_q_heads`` a multiple of ``n_kv_heads``): a chunk of another shape would
     otherwise fail inside MLX, or be stored where it does not belong."""
     batch, heads, dims = spec.batch_size, spec.n_kv_heads, spec.head_dim
-    expected = f"[batch {batch}, kv heads {heads}, tokens, head_dim {dims}]"
     for name, array in (("keys", keys), ("values", values)):
-        shape = tuple(array.shape)
-        if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (batch, heads, dims):
-            raise ConfigError(f"layer {spec.layer_index}: {name} of shape {list(shape)}; this cache holds {expected}")
+        shape = array.shape
+        if len(shape) != 4 or shape[0] != batch or shape[1] != heads or shape[3] != dims:
+            raise ConfigError(f"layer {spec.layer_index}: {name} of shape {list(shape)}; this cache holds "
+                              f"[batch {batch}, kv heads {heads}, tokens, head_dim {dims}]")  # fmt: skip
     if keys.shape[2] != values.shape[2]:
         raise ConfigError(f"layer {spec.layer_index}: {keys.shape[2]} keys but {values.shape[2]} values")
     if queries is not None:
-        shape = tuple(queries.shape)
-        if len(shape) != 4 or shape[1] % heads or (shape[0], shape[2], shape[3]) != (batch, keys.shape[2], dims):
+        shape = queries.shape
+        if len(shape) != 4 or shape[1] % heads or shape[0] != batch or shape[2] != keys.shape[2] or shape[3] != dims:
             raise ConfigError(
                 f"layer {spec.layer_index}: queries of shape {list(shape)} for {keys.shape[2]} keys; expected "
                 f"[batch {batch}, a multiple of {heads} heads, {keys.shape[2]} tokens, head_dim {dims}]"

@@ -68,8 +68,8 @@ def serves(queries: mx.array, keys: mx.array, values: mx.array, mask) -> bool:
     return (
         queries.shape[2] == 1
         and mask is None
-        and mx.default_device().type == mx.cpu
         and queries.dtype == keys.dtype == values.dtype == mx.float32
+        and mx.default_device().type == mx.cpu
     )
 
 

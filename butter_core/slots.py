@@ -75,6 +75,8 @@ class SlotBuffers:
                 self._home[name] = (stack, i)
         self._storage: dict[str, mx.array] = {}
         """Stack name -> ``[n, batch, heads, slots, width]``; unstacked buffer name -> ``[batch, heads, slots, width]``."""
+        self._written_keys: set[str] = set()
+        """The keys of the last rows ``write`` checked (a decode step writes the same ones each time)."""
 
     @property
     def allocated(self) -> int:
@@ -115,21 +117,23 @@ class SlotBuffers:
     def write(self, start: int, rows: dict[str, mx.array], live: int) -> None:
         """Write ``rows`` (``tokens`` slots each) at ``[start, start + tokens)``: one array per
         buffer, or per stack (``[n, batch, heads, tokens, width]``) for its members at once."""
-        named = [name for key in rows for name in self.stacks.get(key, (key,))]
-        if sorted(named) != sorted(self.layout):
-            raise ConfigError(f"slot rows must name each of {sorted(self.layout)} once, alone or through "
-                              f"its stack ({sorted(self.stacks)}); got {sorted(rows)}")
+        if rows.keys() != self._written_keys:
+            named = [name for key in rows for name in self.stacks.get(key, (key,))]
+            if sorted(named) != sorted(self.layout):
+                raise ConfigError(f"slot rows must name each of {sorted(self.layout)} once, alone or through "
+                                  f"its stack ({sorted(self.stacks)}); got {sorted(rows)}")
+            self._written_keys = set(rows)
         tokens = next(iter(rows.values())).shape[-2]
         self.reserve(start + tokens, live)
-        for key, array in rows.items():
+        end = start + tokens
+        for key, array in rows.items():  # slots: axis 2 of a buffer, 3 of a stack (explicit axes index faster than ...)
             if key in self.stacks:
-                dtype = self.layout[self.stacks[key][0]][1]
-                self._storage[key][..., start : start + tokens, :] = array.astype(dtype)
+                self._storage[key][:, :, :, start:end] = array.astype(self.layout[self.stacks[key][0]][1])
             elif key in self._home:
                 stack, i = self._home[key]
-                self._storage[stack][i : i + 1, ..., start : start + tokens, :] = array.astype(self.layout[key][1])[None]
+                self._storage[stack][i : i + 1, :, :, start:end] = array.astype(self.layout[key][1])[None]
             else:
-                self._storage[key][..., start : start + tokens, :] = array.astype(self.layout[key][1])
+                self._storage[key][:, :, start:end] = array.astype(self.layout[key][1])
 
     def read(self, length: int | None = None, *, stacked: bool = False) -> dict[str, mx.array]:
         """Views of slots ``[0, length)`` (None: every allocated slot, the shape a traced kernel
@@ -186,8 +190,8 @@ def unstack(arrays: dict[str, mx.array], stacks: Stacks, length: int | None = No
     docs/benchmarks.md, "butter_core/slots.py")."""
     out = {}
     for key, array in arrays.items():
-        if length is not None:
-            array = array[..., :length, :]  # slots are the second-to-last axis, stacked or not
+        if length is not None:  # slots are the second-to-last axis, stacked or not
+            array = array[:, :, :length] if array.ndim == 4 else array[..., :length, :]
         members = stacks.get(key)
         if members is None:
             out[key] = array
