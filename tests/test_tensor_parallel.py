@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -22,10 +23,33 @@ TOLERANCE = 1e-4
 """Relative to the largest logit: the all-reduces sum the ranks' partial products in another order."""
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _free_ports(count: int) -> int:
+    """A port ``p`` with ``p .. p + count - 1`` all free now (the ring backend listens on one per rank)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
+def launch(ranks: int, *command: str) -> subprocess.CompletedProcess:
+    """``command`` on ``ranks`` processes of a ring group on loopback (``mlx.launch``). Free ports can be
+    taken between the check and the launch: a launch whose ring could not bind is tried again."""
+    for _ in range(3):
+        argv = [str(LAUNCH), "-n", str(ranks), "--backend", "ring", "--starting-port", str(_free_ports(ranks)), "--",
+                *command]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        if "Couldn't bind socket" not in done.stdout + done.stderr:
+            return done
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +76,7 @@ def test_two_ranks_give_one_process_tokens_and_logits(model_dir, family_model, t
             pytest.skip("needs butter-ssm")
         model_dir = family_model(family)
     output = tmp_path / "ranks.safetensors"
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--",
-               sys.executable, str(WORKER), str(model_dir), scheme, str(window), str(output)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = launch(2, sys.executable, str(WORKER), str(model_dir), scheme, str(window), str(output))
     assert done.returncode == 0 and output.exists(), done.stdout + done.stderr  # mlx.launch exits 0 when a rank fails
     ranks, meta = mx.load(str(output), return_metadata=True)
     model = Model.load(str(model_dir), LoadOptions(kv_cache=scheme, kv_eviction=Window(window, keep=2) if window else None))
@@ -91,9 +113,7 @@ def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(
     cache = tmp_path / "prompt.safetensors"
     runs = []
     for _ in range(2):
-        command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter,
-                   *argv, "--prompt-cache", str(cache)]  # fmt: skip
-        runs.append(subprocess.run(command, capture_output=True, text=True, timeout=300))
+        runs.append(launch(2, *butter, *argv, "--prompt-cache", str(cache)))
     for done in runs:
         assert alone.returncode == done.returncode == 0, done.stdout + done.stderr
         assert done.stdout == alone.stdout
@@ -106,17 +126,13 @@ def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(
 @pytest.mark.usefixtures("raw_scheme")
 def test_heads_that_do_not_divide_among_the_ranks_are_refused_naming_them(model_dir):
     butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "generate"]
-    command = [str(LAUNCH), "-n", "3", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter,
-               "-m", str(model_dir), "-p", "Hi", "--max-tokens", "2"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = launch(3, *butter, "-m", str(model_dir), "-p", "Hi", "--max-tokens", "2")
     assert "tensor parallelism over 3 processes needs num_attention_heads (4) divisible by 3" in done.stderr, done.stderr
 
 
 @pytest.mark.usefixtures("raw_scheme")
 def test_butter_inspect_under_mlx_launch_reports_each_rank_and_all(model_dir):
     butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "inspect"]
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--", *butter,
-               "-m", str(model_dir), "--max-context", "256"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = launch(2, *butter, "-m", str(model_dir), "--max-context", "256")
     assert "tensor parallel: rank 0 of 2" in done.stdout and "tensor parallel: rank 1 of 2" in done.stdout, done.stderr
     assert "K/V [1, 1, 256, 32]" in done.stdout  # each rank: one of the two KV heads
