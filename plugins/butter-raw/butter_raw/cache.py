@@ -24,23 +24,10 @@ class RawCache(BufferedSlotCache):
     def __init__(self, spec: LayerSpec, kind: Raw):
         dtype = spec.dtype if kind.dtype is None else getattr(mx, kind.dtype)
         super().__init__(spec, {"keys": (spec.head_dim, dtype), "values": (spec.head_dim, dtype)})
-        self.dtype = dtype
-
-    def store(self, start, keys, values, position):
-        """Two slice assignments into the buffers where they hold the rows (the storage arrays that
-        ``read(stacked=True)`` returns are the buffers; assignment updates them in place); the
-        general ``SlotBuffers.write`` where they must grow. A decode step's host time is what it
-        builds (docs/benchmarks.md, issue 32)."""
-        end = start + keys.shape[2]
-        if end > self.slots.allocated:
-            return super().store(start, keys, values, position)
-        buffers = self.slots.read(stacked=True)
-        buffers["keys"][:, :, start:end] = keys.astype(self.dtype)
-        buffers["values"][:, :, start:end] = values.astype(self.dtype)
-        return None
 
     def attention(self, queries, *, scale, mask):
-        """``attend`` over the live slice of each buffer, taken directly."""
+        """``attend`` over the live slice of each buffer, taken directly (not through ``load``, ``read``
+        and ``unstack``: a decode step's host time is what it builds, docs/benchmarks.md, issue 32)."""
         buffers, length = self.slots.read(stacked=True), self.length
         return attend(queries, buffers["keys"][:, :, :length], buffers["values"][:, :, :length], scale=scale, mask=mask)
 
