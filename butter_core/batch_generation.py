@@ -234,9 +234,10 @@ class BatchGeneration:
         return group
 
     def _admit(self) -> None:
+        promised = self.promised_pages
         for sequence_id, request in list(self._waiting.items()):
             liability = self.caches.pages_for(request.prompt.size + request.max_tokens)
-            if liability > self.caches.free_pages - self.promised_pages or not self.caches.free_sequences:
+            if liability > self.caches.free_pages - promised or not self.caches.free_sequences:
                 break
             if self._prefix_in_flight(request):
                 break
@@ -246,6 +247,7 @@ class BatchGeneration:
                 self.caches.reserve(request.handle, hit.positions)
                 self.caches.import_sequence(request.handle, hit.snapshot, hit.positions)
                 request.fed = hit.positions
+            promised += liability - self.caches.pages_held(request.handle)
             self.cached_tokens[sequence_id] = request.fed
             self._running[sequence_id] = self._waiting.pop(sequence_id)
 

@@ -329,8 +329,8 @@ class BatchedCaches:
         under a window holds at most its ``max_size`` of them), and the open sequences' rows of the
         schemes' ``SequenceState``s."""
         lengths = [s.length for s in self._sequences if s.live]
-        pages = sum(p.bytes_per_slot * sum(n if w is None else min(n, w.max_size) for n in lengths)
-                    for p, w in zip(self.prototypes, self.windows) if isinstance(p, BufferedSlotCache))  # fmt: skip
+        pages = sum(p.bytes_per_slot * sum(self._slots_of(index, n) for n in lengths)
+                    for index, p in enumerate(self.prototypes) if isinstance(p, BufferedSlotCache))  # fmt: skip
         return pages + self.sequence_state_bytes * len(lengths) // self.max_sequences
 
     # -- a forward ---------------------------------------------------------------

@@ -41,6 +41,8 @@ class PrefixCache:
             raise ConfigError(f"the prefix cache's max_bytes must be a positive integer, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, ...], SequenceSnapshot] = OrderedDict()
+        self._arrays: dict[tuple[int, ...], np.ndarray] = {}
+        """Each kept prompt's tokens as an array, made once: what every lookup compares."""
         self.nbytes = 0
         """Bytes of the kept snapshots."""
         self.hits = 0
@@ -68,7 +70,7 @@ class PrefixCache:
     def _best(self, tokens: np.ndarray) -> tuple[tuple[int, ...], PrefixHit] | None:
         best = None
         for key, snapshot in self._entries.items():
-            shared = shared_prefix(np.asarray(key, dtype=np.int64), tokens[:-1])
+            shared = shared_prefix(self._arrays[key], tokens[:-1])
             if shared and snapshot.usable(shared) and (best is None or shared > best[1].positions):
                 best = key, PrefixHit(snapshot, shared)
         return best
@@ -76,8 +78,10 @@ class PrefixCache:
     def __contains__(self, prompt: Sequence[int]) -> bool:
         """Whether a kept snapshot holds ``prompt`` whole: its own, or a truncatable one of a longer prompt."""
         key = tuple(int(t) for t in prompt)
+        tokens = np.asarray(key, dtype=np.int64)
         return key in self._entries or any(
-            len(k) > len(key) and s.truncatable and k[: len(key)] == key for k, s in self._entries.items()
+            len(k) > len(key) and s.truncatable and shared_prefix(self._arrays[k], tokens) == len(key)
+            for k, s in self._entries.items()
         )
 
     def insert(self, prompt: Sequence[int], snapshot: SequenceSnapshot) -> None:
@@ -97,9 +101,11 @@ class PrefixCache:
         while self._entries and self.nbytes + snapshot.nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
         self._entries[key] = snapshot
+        self._arrays[key] = np.asarray(key, dtype=np.int64)
         self.nbytes += snapshot.nbytes
 
     def _drop(self, key: tuple[int, ...]) -> None:
+        del self._arrays[key]
         self.nbytes -= self._entries.pop(key).nbytes
 
 

@@ -43,6 +43,7 @@ from butter_core.cache import LayerCache
 from butter_core.distributed import total_bytes, world
 from butter_core.errors import ConfigError
 from butter_core.layer_caches import kv_cache_kind, layer_kinds
+from butter_core.prefix_cache import shared_prefix
 from butter_core.recurrent import StateSpec
 
 if TYPE_CHECKING:
@@ -68,9 +69,7 @@ class PromptCache:
     def resume(self, prompt: Sequence[int]) -> int:
         """Make the caches hold the longest common prefix of ``tokens`` and ``prompt`` that leaves
         the prompt's last token to feed, and return its length (see the module docstring)."""
-        prompt = list(prompt)
-        limit = min(len(self.tokens), len(prompt) - 1)
-        common = next((i for i in range(limit) if self.tokens[i] != prompt[i]), max(limit, 0))
+        common = shared_prefix(np.asarray(self.tokens, dtype=np.int64), np.asarray(prompt, dtype=np.int64)[:-1])
         drop = len(self.tokens) - common
         if drop and not all(cache.trim(drop) == drop for cache in self.caches):
             self.caches, common = self.engine.make_layer_caches(), 0
