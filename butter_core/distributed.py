@@ -71,6 +71,8 @@ def shard_network(network, group: mx.distributed.Group) -> None:
     size = group.size()
     if size == 1:
         return
+    object.__setattr__(network, "shard", (group.rank(), size))  # not a child module: nn.Module keeps tuples as children
+    object.__setattr__(network, "kv_shard", network.shard)
     if isinstance(network, DecoderModel) and all(
         isinstance(b.self_attn, Attention) and isinstance(b.mlp, MLP) for b in network.layers
     ):
@@ -98,9 +100,6 @@ def shard_network(network, group: mx.distributed.Group) -> None:
         raise ConfigError(f"tensor parallelism (mlx.launch with {size} processes) runs the llama, qwen3, mamba2, "
                           f"nemotron_h, qwen3_next and granitemoehybrid families; {network.args.model_type} is not one of "
                           "them yet: run it in one process")  # fmt: skip
-    object.__setattr__(network, "shard", (group.rank(), size))  # not a child module: nn.Module keeps tuples as children
-    if not getattr(network, "kv_replicated", False):
-        object.__setattr__(network, "kv_shard", (group.rank(), size))
     mx.eval(network.parameters())
 
 
@@ -119,10 +118,19 @@ def _shard_attention(attention, group: mx.distributed.Group) -> None:
     attention.n_kv_heads //= group.size()
 
 
-def _shard_mlp(mlp, group: mx.distributed.Group) -> None:
-    mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
-    mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
-    mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+def _shard_mlp(mlp, group: mx.distributed.Group, first: tuple[str, ...] = ("gate_proj", "up_proj"),
+               last: str = "down_proj", *, summed: bool = True) -> None:  # fmt: skip
+    """A feed-forward by intermediate columns: the ``first`` projections by output rows, ``last`` by
+    input columns, with its all-reduce; without it (``summed=False``) where the caller sums this
+    output with others in one all-reduce (``RankSum``), its bias then kept on rank 0 alone."""
+    for name in first:
+        setattr(mlp, name, shard_linear(getattr(mlp, name), "all-to-sharded", group=group))
+    if summed:
+        setattr(mlp, last, shard_linear(getattr(mlp, last), "sharded-to-all", group=group))
+        return
+    projection = getattr(mlp, last)
+    projection.weight = _share(projection.weight.T, [], group.rank(), group.size()).T
+    _partial_bias(projection, group.rank())
 
 
 def _shard_mamba2(layer, group: mx.distributed.Group) -> None:
@@ -204,10 +212,10 @@ def _shard_granite(network, group: mx.distributed.Group) -> None:
         shared = layer.shared_mlp
         shared.input_linear = shard_linear(shared.input_linear, "all-to-sharded", segments=2, group=group)  # gate | up
         shared.output_linear = shard_linear(shared.output_linear, "sharded-to-all", group=group)
-    mamba = args.mamba
+    mambas = [layer.mamba.shape for layer in network.layers if layer.layer_type == GRANITE_MAMBA]
     network.args = attrs.evolve(
         args, num_attention_heads=args.num_attention_heads // size, num_key_value_heads=args.num_key_value_heads // size,
-        mamba=None if mamba is None else network.layers[args.layer_indices(GRANITE_MAMBA)[0]].mamba.shape,
+        mamba=mambas[0] if mambas else None,
     )  # fmt: skip
 
 
@@ -249,21 +257,15 @@ def _shard_nemotron_h(network, group: mx.distributed.Group) -> None:
         elif block.layer_type == ATTENTION:
             _shard_attention(block.mixer, group)
         elif block.layer_type == MLP_LAYER:
-            block.mixer.up_proj = shard_linear(block.mixer.up_proj, "all-to-sharded", group=group)
-            block.mixer.down_proj = shard_linear(block.mixer.down_proj, "sharded-to-all", group=group)
+            _shard_mlp(block.mixer, group, ("up_proj",))
         else:
-            moe = block.mixer
-            _shard_experts(moe.switch_mlp, ("fc1",), "fc2", group.rank(), size)
-            shared = moe.shared_experts
-            shared.up_proj = shard_linear(shared.up_proj, "all-to-sharded", group=group)
-            shared.down_proj.weight = _share(shared.down_proj.weight.T, [], group.rank(), size).T
-            _partial_bias(shared.down_proj, group.rank())
-            block.mixer = RankSum(moe, group)
-    mamba = network.args.mamba
+            _shard_experts(block.mixer.switch_mlp, ("fc1",), "fc2", group.rank(), size)
+            _shard_mlp(block.mixer.shared_experts, group, ("up_proj",), summed=False)
+            block.mixer = RankSum(block.mixer, group)
+    mambas = [block.mixer.shape for block in network.layers if block.layer_type == MAMBA]
     network.args = attrs.evolve(
         args, num_attention_heads=args.num_attention_heads // size, num_key_value_heads=args.num_key_value_heads // size,
-        mamba=None if mamba is None else attrs.evolve(mamba, num_heads=mamba.num_heads // size,
-                                                      n_groups=mamba.n_groups // size),
+        mamba=mambas[0] if mambas else None,
     )  # fmt: skip
 
 
@@ -271,7 +273,7 @@ def _shard_qwen3_next(network, group: mx.distributed.Group) -> None:
     """Qwen3-Next layer by layer: a gated delta layer by key heads (with their value heads: the
     projections' ``q | k | v | z`` and ``b | a`` segments, the convolution's ``q | k | v`` channels and
     the per-value-head parameters sliced to match); gated attention by query heads, its KV heads
-    sharded too where there are as many as ranks, else kept whole on every rank (``kv_replicated``);
+    sharded too where there are as many as ranks, else kept whole on every rank (``kv_shard`` (0, 1));
     a MoE layer's experts and shared expert by intermediate columns, summed by one all-reduce
     (``RankSum``), a dense MLP by columns."""
     args, rank, size = network.args, group.rank(), group.size()
@@ -311,17 +313,15 @@ def _shard_qwen3_next(network, group: mx.distributed.Group) -> None:
             _shard_mlp(layer.mlp, group)
             continue
         _shard_experts(layer.mlp.switch_mlp, ("gate_proj", "up_proj"), "down_proj", rank, size)
-        shared = layer.mlp.shared_expert
-        shared.gate_proj = shard_linear(shared.gate_proj, "all-to-sharded", group=group)
-        shared.up_proj = shard_linear(shared.up_proj, "all-to-sharded", group=group)
-        shared.down_proj.weight = _share(shared.down_proj.weight.T, [], rank, size).T
+        _shard_mlp(layer.mlp.shared_expert, group, summed=False)
         layer.mlp = RankSum(layer.mlp, group)
     network.args = attrs.evolve(
         args, num_attention_heads=args.num_attention_heads // size,
         num_key_value_heads=args.num_key_value_heads if replicated else args.num_key_value_heads // size,
         linear=attrs.evolve(linear, key_heads=linear.key_heads // size, value_heads=linear.value_heads // size),
     )  # fmt: skip
-    object.__setattr__(network, "kv_replicated", replicated)
+    if replicated:
+        object.__setattr__(network, "kv_shard", (0, 1))
 
 
 def _partial_bias(layer, rank: int) -> None:
