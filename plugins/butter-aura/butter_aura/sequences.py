@@ -112,15 +112,20 @@ class FullPrecisionRows(SequenceState):
         member, _ = budget.membership(recent, length)
         coded = ~member & (mx.arange(length, dtype=mx.int32)[None] < live)
         full = mx.concatenate([mx.arange(budget.sinks, dtype=mx.int32)[None] < live, (recent >= 0) & (recent < live)], axis=1)
-        index = mx.array(rows, dtype=mx.int32)[:, None] * budget.rows + mx.arange(budget.rows, dtype=mx.int32)[None]
-        fp_keys, fp_values = (self.keys[index].transpose(0, 2, 1, 3), self.values[index].transpose(0, 2, 1, 3))
+        fp_keys, fp_values = self._full_precision(rows, mx.arange(budget.rows, dtype=mx.int32))
         return cpu.gathered_decode_attention(queries, gathered, fp_keys, fp_values, coded, full, self.cache.key_codec,
                                              self.cache.value_codec, self.cache.rotation, scale)  # fmt: skip
 
     def read(self, rows: Sequence[int], length: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Each sequence's full-precision rows in place of the decoded codes of the slots they hold."""
         member, fp_row = self.budget.membership(mx.array([self.recent[r] for r in rows], dtype=mx.int32), length)
-        index = mx.array(rows, dtype=mx.int32)[:, None] * self.budget.rows + fp_row[None]  # [sequences, length]
+        fp_keys, fp_values = self._full_precision(rows, fp_row)
         member = member[:, None, :, None]
-        return (mx.where(member, self.keys[index].transpose(0, 2, 1, 3).astype(keys.dtype), keys),
-                mx.where(member, self.values[index].transpose(0, 2, 1, 3).astype(values.dtype), values))  # fmt: skip
+        return (mx.where(member, fp_keys.astype(keys.dtype), keys),
+                mx.where(member, fp_values.astype(values.dtype), values))  # fmt: skip
+
+    def _full_precision(self, rows: Sequence[int], within: mx.array) -> tuple[mx.array, mx.array]:
+        """Rows ``within`` (``[n]``, each a row of ``budget.rows``) of each state row in ``rows``, as keys
+        and values ``[sequences, heads, n, head_dim]``."""
+        index = mx.array(rows, dtype=mx.int32)[:, None] * self.budget.rows + within[None]
+        return self.keys[index].transpose(0, 2, 1, 3), self.values[index].transpose(0, 2, 1, 3)
