@@ -43,13 +43,14 @@ SHAPES = {
 }  # fmt: skip
 
 
-def write_model(directory: Path, shape: str, dtype: str, max_positions: int) -> None:
-    """``config.json``, seeded random safetensors and a tiny tokenizer (butter wants one)."""
+def write_model(directory: Path, shape: str, dtype: str, max_positions: int, vocab_size: int | None = None) -> None:
+    """``config.json``, seeded random safetensors and a tiny tokenizer (butter wants one);
+    ``vocab_size`` replaces the shape's (to match another tokenizer put in its place)."""
     import mlx.core as mx
 
     from butter_core.testing.tiny_models import write_tokenizer
 
-    sizes = SHAPES[shape]
+    sizes = SHAPES[shape] | ({"vocab_size": vocab_size} if vocab_size else {})
     config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
               "rope_theta": 1000000.0, "max_position_embeddings": max_positions, "tie_word_embeddings": True,
               "hidden_act": "silu", **sizes}  # fmt: skip

@@ -5,8 +5,12 @@ mlx_lm server``), a fresh server process on loopback serves the same model direc
 (``--model``; default: butter's conversion of the built-in GGUF, an MLX-quantized folder both
 engines load; ``--model`` another, e.g. a float32 one both run dense). ``--clients`` chat requests
 are sent at once, each asking a different question for ``--max-tokens`` greedy tokens, streamed
-(a request's ``model`` is the folder's path, which mlx-lm's server needs and butter's ignores); ``--disconnect`` of them (chosen at random) close
-their stream after a random number of tokens. With ``--system-words N`` every request starts with the
+(a request's ``model`` is the folder's path, which mlx-lm's server needs and butter's ignores);
+``--disconnect`` of them (chosen at random) close their stream after a random number of tokens.
+``--random-shape qwen3-1.7b`` serves instead a model of that shape with seeded random bfloat16
+weights (``long_prefill.write_model``) and the tokenizer of ``--tokenizer`` (default: the
+built-in model's), written once to ``--random-dir``: what a GPU machine without a registry
+can serve. Butter engines use ``--kv-cache`` (default raw) and ``--kv-memory`` bytes of pages. With ``--system-words N`` every request starts with the
 same system message of N words (a shared prefix: what the prefix cache reuses; the engine
 ``butter-noprefix`` is butter with ``--prefix-cache-bytes 0``). Reported per engine: requests per second
 (completed streams over the wall time of the whole run), time to first token p50/p99,
@@ -17,7 +21,8 @@ For butter, ``/health`` must show nothing reserved after the run (no leaked page
 Usage::
 
     python bench/serve_load.py [--engines butter,mlx-lm] [--clients 64] [--disconnect 0.25]
-        [--max-tokens 64] [--max-sessions 16] [--system-words 0] [--seed 0]
+        [--max-tokens 64] [--max-sessions 16] [--system-words 0] [--seed 0] [--kv-cache raw]
+        [--kv-memory BYTES] [--random-shape qwen3-1.7b [--tokenizer DIR] [--random-dir DIR]]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,15 +67,30 @@ def system_message(words: int) -> list[dict]:
     return [{"role": "system", "content": " ".join(text.split()[:words])}]
 
 
-def start(engine: str, model: str, port: int, max_sessions: int) -> subprocess.Popen:
+def random_model(shape: str, tokenizer: Path, directory: Path) -> str:
+    """A model of ``shape`` with seeded random bfloat16 weights and ``tokenizer``'s tokenizer files."""
+    from tokenizers import Tokenizer
+
+    from long_prefill import write_model
+
+    if not (directory / "model.safetensors").exists():
+        vocab = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).get_vocab_size()
+        write_model(directory, shape, "bfloat16", 8192, vocab_size=vocab)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer / name, directory / name)
+    return str(directory)
+
+
+def start(engine: str, model: str, port: int, args) -> subprocess.Popen:
     if engine.startswith("butter"):
         argv = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "serve",
-                "-m", model, "--port", str(port), "--max-sessions", str(max_sessions), "--max-queue", "256",
-                "--kv-memory", str(2 * 2**30)]  # fmt: skip
+                "-m", model, "--port", str(port), "--max-sessions", str(args.max_sessions), "--max-queue", "256",
+                "--kv-memory", str(args.kv_memory), "--kv-cache", args.kv_cache]  # fmt: skip
         if engine == "butter-noprefix":
             argv += ["--prefix-cache-bytes", "0"]
     else:
-        argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]
+        argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
+                "--decode-concurrency", str(args.max_sessions)]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while True:
@@ -143,12 +164,20 @@ def main() -> None:
     parser.add_argument("--max-sessions", type=int, default=16)
     parser.add_argument("--system-words", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache", default="raw")
+    parser.add_argument("--kv-memory", type=int, default=2 * 2**30)
+    parser.add_argument("--random-shape")
+    parser.add_argument("--tokenizer", type=Path)
+    parser.add_argument("--random-dir", type=Path, default=Path("/tmp/butter-serve-random-model"))
     args = parser.parse_args()
-    model = args.model or default_model()
+    if args.random_shape:
+        model = random_model(args.random_shape, args.tokenizer or Path(default_model()), args.random_dir)
+    else:
+        model = args.model or default_model()
     rows = []
     for engine in args.engines.split(","):
         port = free_port()
-        process = start(engine, model, port, args.max_sessions)
+        process = start(engine, model, port, args)
         try:
             results, seconds = asyncio.run(load(port, model, args.clients, args.disconnect, args.max_tokens, args.seed,
                                                 system_message(args.system_words)))  # fmt: skip
@@ -182,7 +211,7 @@ def main() -> None:
             print("|" + "---|" * len(rows[0]))
         print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in rows[-1].values()) + " |", flush=True)
     print(f"model {model}; {os.cpu_count()} CPUs; max_tokens {args.max_tokens}; disconnect {args.disconnect}; "
-          f"system words {args.system_words}")
+          f"system words {args.system_words}; max sessions {args.max_sessions}; butter kv cache {args.kv_cache}")
 
 
 if __name__ == "__main__":

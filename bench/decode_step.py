@@ -1,0 +1,319 @@
+"""A decode step as a user meets it: every layer's attention per step, and whole-model decode, butter against mlx-lm in one process.
+
+Wall clock, host included (issue 32's method, docs/benchmarks.md). Kernel-only figures
+(``gpu_bench.py``) diagnose a kernel; these are the result.
+
+1. **Per layer.** ``--layers`` independent layer caches per path (no L2 reuse between
+   layers), 32 query / 8 KV heads, head_dim 128, bf16, each holding ``--context`` random
+   positions. One decode step = every layer's one-token append and attention built, then
+   evaluated together. Per step, on the host: ``build`` (the Python calls that return the
+   outputs), ``encode`` (``mx.async_eval``, which returns once every kernel is launched)
+   and ``wait`` (``mx.eval`` after it: the GPU still working once the host is done; near
+   zero means the host sets the pace). Medians of ``--steps`` steps after
+   ``WARMUP_STEPS``, per layer. Paths:
+
+   - ``mx.fast.sdpa``: MLX's SDPA over full arrays, no append (the floor);
+   - ``mlx-lm KVCache``: ``KVCache.update_and_fetch`` + ``mlx_lm.models.base.scaled_dot_product_attention``
+     (what mlx-lm's model calls each layer);
+   - ``mlx-lm 4-bit``: the same over ``QuantizedKVCache(group_size=64, bits=4)``;
+   - ``butter <scheme>``: each ``--kv-cache`` scheme's ``update_and_attend``.
+
+2. **End to end.** A Qwen3-1.7B-shaped model with random bf16 weights
+   (``gpu_bench.QWEN3_1_7B``, ``max_position_embeddings`` raised to fit the longest
+   context); mlx-lm's ``qwen3.Model`` holds the same weights. Per ``--e2e-context`` and
+   round (``--rounds``, engine order rotating each round): a fresh cache, a prompt of random
+   token ids prefilled, ``--decode-tokens`` greedy tokens. butter runs ``Generation`` (the
+   loop of ``butter generate``); mlx-lm runs its ``generate_step`` loop restated (prefill in
+   chunks of 2048 evaluated one by one, then each step's graph built while the previous
+   evaluates, ``mx.async_eval``), because ``mlx_lm.generate`` imports transformers.
+   Reported: prefill tok/s, decode tok/s (tokens after the first over the time after it),
+   the first decode step's time (the first round of each engine compiles its kernels), and
+   peak memory; medians over rounds.
+
+3. **Latency after load** (``--latency``, instead of 1 and 2): per scheme, ``Model.load`` of a
+   Qwen3-1.7B-shaped directory (random bf16 weights, written once to ``--model-dir``), then
+   a 4096-token prompt and 16 greedy tokens: time to the first token, the first decode
+   step, and the median of the steady steps after it. Run it twice with the same
+   ``MLX_PTX_CACHE_DIR`` (first empty) to see what MLX's on-disk kernel cache saves a
+   second process.
+
+Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
+
+    python3 bench/decode_step.py [--context 4096 32768 131072] [--e2e-context 4096 32768]
+        [--kv-cache raw,affine4,aura4v2] [--steps 20] [--rounds 3] [--decode-tokens 64]
+        [--skip-layers] [--skip-e2e] [--small] [--latency [--model-dir DIR]]
+
+``--small`` shrinks the heads, layers and model to run on a CPU as a check of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import butter_core  # noqa: F401 - before mlx.core (CPU BLAS selection)
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from butter_core import LoadOptions, parse_kv_cache
+from butter_core.cache import LayerSpec
+from butter_core.engine import Engine
+from butter_core.generation import Generation
+from butter_core.layer_caches import make_layer_caches
+from butter_core.loading.weights import build_model
+from gpu_batched import mlx_lm_module
+from gpu_bench import QWEN3_1_7B
+
+WARMUP_STEPS = 3
+FILL_CHUNK = 8192
+SMALL_MODEL = QWEN3_1_7B | {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 4096}  # fmt: skip
+
+
+def layer_paths(args, q_heads: int, kv_heads: int, dim: int):
+    """name -> ``setup(context)`` returning a function that builds one decode step's outputs."""
+    base = mlx_lm_module("models.base")
+    cache_module = mlx_lm_module("models.cache")
+    scale = dim**-0.5
+
+    def chunks(context):
+        for start in range(0, context, FILL_CHUNK):
+            n = min(FILL_CHUNK, context - start)
+            k = mx.random.normal((1, kv_heads, n, dim)).astype(mx.bfloat16)
+            yield k, (k * 0.5).astype(mx.bfloat16)
+
+    def sdpa(context):
+        keys = [mx.random.normal((1, kv_heads, context, dim)).astype(mx.bfloat16) for _ in range(args.layers)]
+        values = [k * 0.5 for k in keys]
+        mx.eval(keys, values)
+        return lambda q, k, v: [mx.fast.scaled_dot_product_attention(q, K, V, scale=scale) for K, V in zip(keys, values)]
+
+    def mlx_lm(make):
+        def setup(context):
+            caches = [make() for _ in range(args.layers)]
+            for k, v in chunks(context):
+                for c in caches:
+                    c.update_and_fetch(k, v)
+                mx.eval([c.state for c in caches])
+
+            def step(q, k, v):
+                outs = []
+                for c in caches:
+                    keys, values = c.update_and_fetch(k, v)
+                    outs.append(base.scaled_dot_product_attention(q, keys, values, cache=c, scale=scale, mask=None))
+                return outs
+
+            return step
+
+        return setup
+
+    def butter(kind):
+        def setup(context):
+            spec = LayerSpec(kv_heads, dim, context + WARMUP_STEPS + args.steps + 8, mx.bfloat16)
+            caches = make_layer_caches(kind, [spec] * args.layers)
+            for k, v in chunks(context):
+                for c in caches:
+                    c.append(k, v)
+                mx.eval([c.state() for c in caches])
+            return lambda q, k, v: [c.update_and_attend(q, k, v, scale=scale) for c in caches]
+
+        return setup
+
+    paths = {"mx.fast.sdpa": sdpa, "mlx-lm KVCache": mlx_lm(cache_module.KVCache),
+             "mlx-lm 4-bit": mlx_lm(lambda: cache_module.QuantizedKVCache(group_size=64, bits=4))}  # fmt: skip
+    for name in args.kv_cache:
+        paths[f"butter {name}"] = butter(parse_kv_cache(name))
+    return paths
+
+
+def time_steps(step, q, k, v, steps: int, layers: int) -> dict[str, float]:
+    """Per-layer medians (µs) of ``steps`` decode steps: build, encode, wait and their sum."""
+    parts = {"build": [], "encode": [], "wait": [], "wall": []}
+    for n in range(WARMUP_STEPS + steps):
+        start = time.perf_counter()
+        outs = step(q, k, v)
+        built = time.perf_counter()
+        mx.async_eval(outs)
+        encoded = time.perf_counter()
+        mx.eval(outs)
+        done = time.perf_counter()
+        if n >= WARMUP_STEPS:
+            for part, seconds in (("build", built - start), ("encode", encoded - built), ("wait", done - encoded),
+                                  ("wall", done - start)):  # fmt: skip
+                parts[part].append(seconds)
+    return {part: 1e6 * statistics.median(values) / layers for part, values in parts.items()}
+
+
+def layers_section(args, q_heads, kv_heads, dim) -> None:
+    print(f"\n## Per layer: {args.layers} layers, {q_heads} q / {kv_heads} kv heads, D {dim}, bf16; "
+          f"µs per layer, medians of {args.steps} steps\n")  # fmt: skip
+    print("| context | path | wall | build | encode | wait | wall / butter raw | wall / sdpa |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    paths = layer_paths(args, q_heads, kv_heads, dim)
+    for context in args.context:
+        q = mx.random.normal((1, q_heads, 1, dim)).astype(mx.bfloat16)
+        k = mx.random.normal((1, kv_heads, 1, dim)).astype(mx.bfloat16)
+        v = mx.random.normal((1, kv_heads, 1, dim)).astype(mx.bfloat16)
+        mx.eval(q, k, v)
+        results = {}
+        for name, setup in paths.items():
+            try:
+                step = setup(context)
+                results[name] = time_steps(step, q, k, v, args.steps, args.layers)
+                del step
+            except Exception as exc:  # noqa: BLE001 - one path failing (out of memory, no kernel) is reported
+                results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"}
+            mx.clear_cache()
+        raw = results.get("butter raw", {}).get("wall")
+        sdpa = results["mx.fast.sdpa"].get("wall")
+        for name, r in results.items():
+            if "error" in r:
+                print(f"| {context} | {name} | {r['error']} |||||")
+                continue
+            ratio = f"{r['wall'] / raw:.2f}x" if raw else ""
+            print(f"| {context} | {name} | {r['wall']:.1f} | {r['build']:.1f} | {r['encode']:.1f} | {r['wait']:.1f} | "
+                  f"{ratio} | {r['wall'] / sdpa:.2f}x |", flush=True)  # fmt: skip
+
+
+def mlx_lm_run(model, prompt: mx.array, decode: int) -> dict:
+    """mlx-lm 0.32.2's ``generate_step`` for one prompt: its prefill, then pipelined greedy steps."""
+    cache_module = mlx_lm_module("models.cache")
+    caches = cache_module.make_prompt_cache(model)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    ids = prompt[None]
+    for offset in range(0, prompt.size - 1, 2048):
+        model(ids[:, offset : min(offset + 2048, prompt.size - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+        mx.clear_cache()
+
+    def step(token):
+        return mx.argmax(model(token.reshape(1, 1), cache=caches)[:, -1], axis=-1)
+
+    y = step(prompt[-1:])
+    mx.async_eval(y)
+    times = []
+    for n in range(decode):
+        following = step(y) if n + 1 < decode else None
+        if following is not None:
+            mx.async_eval(following)
+        y.item()
+        times.append(time.perf_counter() - start)
+        y = following
+    return {"prefill_tok_s": prompt.size / times[0], "first_step_s": times[1] - times[0],
+            "decode_tok_s": (decode - 1) / (times[-1] - times[0]), "peak_gib": mx.get_peak_memory() / 2**30}  # fmt: skip
+
+
+def butter_run(network, kind, prompt: mx.array, decode: int) -> dict:
+    engine = Engine(network, LoadOptions(kv_cache=kind, max_context_length=prompt.size + decode + 8))
+    caches = engine.make_layer_caches()
+    start = time.perf_counter()
+    times = []
+    generation = Generation(engine, prompt, caches, max_tokens=decode)
+    for _ in generation:
+        times.append(time.perf_counter() - start)
+    peak = generation.stats.peak_memory  # from its start: prefill and decode
+    return {"prefill_tok_s": prompt.size / times[0], "first_step_s": times[1] - times[0],
+            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]), "peak_gib": peak / 2**30}  # fmt: skip
+
+
+def e2e_section(args, config: dict) -> None:
+    config = config | {"max_position_embeddings": max(config["max_position_embeddings"], max(args.e2e_context) + args.decode_tokens + 64)}
+    network = build_model(config, Path("qwen3-shaped (random weights)"))
+    network.set_dtype(mx.bfloat16)
+    mx.eval(network.parameters())
+    qwen3 = mlx_lm_module("models.qwen3")
+    reference = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    reference.load_weights(tree_flatten(network.parameters()))
+    mx.eval(reference.parameters())
+    engines = {"mlx-lm raw": lambda p: mlx_lm_run(reference, p, args.decode_tokens)}
+    for name in args.kv_cache:
+        engines[f"butter {name}"] = lambda p, kind=parse_kv_cache(name): butter_run(network, kind, p, args.decode_tokens)
+    print(f"\n## End to end: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random bf16; "
+          f"{args.decode_tokens} greedy tokens; medians of {args.rounds} rounds (first step: the first round's / the median)\n")  # fmt: skip
+    print("| context | engine | prefill tok/s | decode tok/s | decode / butter raw | decode / mlx-lm raw | first step s | peak GiB |")
+    print("|---:|---|---:|---:|---:|---:|---|---:|")
+    for context in args.e2e_context:
+        prompt = mx.random.randint(0, config["vocab_size"], (context,), key=mx.random.key(context)).astype(mx.uint32)
+        runs = {name: [] for name in engines}
+        names = list(engines)
+        for round_ in range(args.rounds):
+            for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                try:
+                    runs[name].append(engines[name](prompt))
+                except Exception as exc:  # noqa: BLE001
+                    runs[name].append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
+                    traceback.print_exc()
+                mx.clear_cache()
+        medians = {}
+        for name, rs in runs.items():
+            ok = [r for r in rs if "error" not in r]
+            if ok:
+                medians[name] = {key: statistics.median(r[key] for r in ok) for key in ok[0]} | {"first": rs[0].get("first_step_s")}
+        for name, rs in runs.items():
+            if name not in medians:
+                print(f"| {context} | {name} | {rs[0]['error']} ||||||")
+                continue
+            m = medians[name]
+            ratio = lambda other: f"{m['decode_tok_s'] / medians[other]['decode_tok_s']:.2f}x" if other in medians else ""  # noqa: E731
+            first = f"{m['first']:.3f} / {m['first_step_s']:.3f}" if m["first"] is not None else f"- / {m['first_step_s']:.3f}"
+            print(f"| {context} | {name} | {m['prefill_tok_s']:.0f} | {m['decode_tok_s']:.1f} | {ratio('butter raw')} | "
+                  f"{ratio('mlx-lm raw')} | {first} | {m['peak_gib']:.1f} |", flush=True)  # fmt: skip
+
+
+def latency_section(args) -> None:
+    from butter_core.model import Model
+    from long_prefill import write_model
+
+    if not (args.model_dir / "model.safetensors").exists():
+        write_model(args.model_dir, "small" if args.small else "qwen3-1.7b", "bfloat16", 40960)
+    print("\n## Latency after Model.load: 4096-token prompt, 16 greedy tokens\n")
+    print("| scheme | load s | first token s | first step ms | steady step ms | first / steady |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in args.kv_cache:
+        start = time.perf_counter()
+        model = Model.load(args.model_dir, LoadOptions(kv_cache=parse_kv_cache(name)))
+        loaded = time.perf_counter()
+        prompt = mx.random.randint(0, model.network.args.vocab_size, (4096,), key=mx.random.key(1)).astype(mx.uint32)
+        caches = model.engine.make_layer_caches()
+        times = [loaded]
+        for _ in Generation(model.engine, prompt, caches, max_tokens=16):
+            times.append(time.perf_counter())
+        steps = [b - a for a, b in zip(times[1:], times[2:])]
+        steady = statistics.median(steps[2:])
+        print(f"| {name} | {loaded - start:.2f} | {times[1] - loaded:.2f} | {1e3 * steps[0]:.1f} | {1e3 * steady:.1f} | "
+              f"{steps[0] / steady:.1f}x |", flush=True)  # fmt: skip
+        del model, caches
+        mx.clear_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
+    parser.add_argument("--e2e-context", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--kv-cache", type=lambda t: t.split(","), default=["raw", "affine4", "aura4v2"])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--skip-layers", action="store_true")
+    parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--small", action="store_true", help="small heads, layers and model: a CPU check of the script")
+    parser.add_argument("--latency", action="store_true")
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/butter-decode-step-model"))
+    args = parser.parse_args()
+    print(f"MLX {mx.__version__}, {mx.default_device()}, {mx.device_info().get('device_name', '')}, {time.strftime('%Y-%m-%d')}")
+    if args.latency:
+        return latency_section(args)
+    if not args.skip_layers:
+        layers_section(args, *((4, 2, 64) if args.small else (32, 8, 128)))
+    if not args.skip_e2e:
+        e2e_section(args, SMALL_MODEL if args.small else QWEN3_1_7B)
+
+
+if __name__ == "__main__":
+    main()
