@@ -64,7 +64,7 @@ from butter_core.engine import Engine
 from butter_core.generation import Generation
 from butter_core.layer_caches import make_layer_caches
 from butter_core.loading.weights import build_model
-from gpu_batched import mlx_lm_module
+from gpu_batched import mlx_lm_module, pipelined_decode
 from gpu_bench import QWEN3_1_7B
 
 WARMUP_STEPS = 3
@@ -194,16 +194,7 @@ def mlx_lm_run(model, prompt: mx.array, decode: int) -> dict:
     def step(token):
         return mx.argmax(model(token.reshape(1, 1), cache=caches)[:, -1], axis=-1)
 
-    y = step(prompt[-1:])
-    mx.async_eval(y)
-    times = []
-    for n in range(decode):
-        following = step(y) if n + 1 < decode else None
-        if following is not None:
-            mx.async_eval(following)
-        y.item()
-        times.append(time.perf_counter() - start)
-        y = following
+    times = pipelined_decode(step, prompt[-1:], decode, start)
     return {"prefill_tok_s": prompt.size / times[0], "first_step_s": times[1] - times[0],
             "decode_tok_s": (decode - 1) / (times[-1] - times[0]), "peak_gib": mx.get_peak_memory() / 2**30}  # fmt: skip
 

@@ -85,7 +85,15 @@ def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
     def step(tokens):
         return mx.argmax(model(tokens[:, None], cache=caches)[:, -1], axis=-1)
 
-    y = step(prompts[:, -1])
+    times = pipelined_decode(step, prompts[:, -1], decode, start)
+    return {"first_s": times[0], "tok_s": batch * (decode - 1) / (times[-1] - times[0]),
+            "peak_gib": mx.get_peak_memory() / 2**30}  # fmt: skip
+
+
+def pipelined_decode(step, tokens: mx.array, decode: int, start: float) -> list[float]:
+    """mlx-lm's decode loop: ``decode`` steps of ``step``, each built and queued (``mx.async_eval``)
+    before the previous one's tokens are read; the time since ``start`` at which each step's tokens arrive."""
+    y = step(tokens)
     mx.async_eval(y)
     times = []
     for n in range(decode):
@@ -95,8 +103,7 @@ def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
         y.tolist()
         times.append(time.perf_counter() - start)
         y = following
-    return {"first_s": times[0], "tok_s": batch * (decode - 1) / (times[-1] - times[0]),
-            "peak_gib": mx.get_peak_memory() / 2**30}  # fmt: skip
+    return times
 
 
 def main() -> None:
