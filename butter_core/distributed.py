@@ -32,8 +32,10 @@ mlx-lm's ``shard`` makes it:
   from the same seed (``shared_seed``), samples the same token.
 
 Every family butter loads runs so (llama, qwen3, mamba2, nemotron_h, qwen3_next, granitemoehybrid).
-MLX-quantized experts, a quantized Mamba2 input projection with one group, and head counts that do
-not divide among the ranks are refused (``ConfigError`` naming what).
+MLX-quantized weights shard as float ones do: rows of their packed weights, scales and biases, and
+input columns by whole quantization groups. Head counts that do not divide among the ranks, and a
+quantized projection whose input columns do not split into whole groups per rank, are refused
+(``ConfigError`` naming what).
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ from butter_core.models.base import MLP, Attention, DecoderModel
 from butter_core.models.granitemoehybrid import MAMBA as GRANITE_MAMBA
 from butter_core.models.granitemoehybrid import GraniteMoeHybridModel
 from butter_core.models.mamba2 import Mamba2Model
-from butter_core.models.moe import StackedLinear
 from butter_core.models.nemotron_h import ATTENTION, MAMBA, NemotronHModel
 from butter_core.models.nemotron_h import MLP as MLP_LAYER
 from butter_core.models.qwen3_next import FULL_ATTENTION, Qwen3NextModel
@@ -128,9 +129,7 @@ def _shard_mlp(mlp, group: mx.distributed.Group, first: tuple[str, ...] = ("gate
     if summed:
         setattr(mlp, last, shard_linear(getattr(mlp, last), "sharded-to-all", group=group))
         return
-    projection = getattr(mlp, last)
-    projection.weight = _share(projection.weight.T, [], group.rank(), group.size()).T
-    _partial_bias(projection, group.rank())
+    _keep_columns(getattr(mlp, last), group.rank(), group.size(), last)
 
 
 def _shard_mamba2(layer, group: mx.distributed.Group) -> None:
@@ -179,14 +178,26 @@ def _gated_norm_across(x: mx.array, gate: mx.array, weight: mx.array, *, eps: fl
 
 
 def _linear_rows(linear, rows: mx.array):
-    """A float ``nn.Linear`` keeping output ``rows`` only (an MLX-quantized one is refused)."""
-    if type(linear) is not nn.Linear:
-        raise ConfigError("tensor parallelism does not slice MLX-quantized projections by rows yet: load a float checkpoint")
-    out = nn.Linear(linear.weight.shape[1], rows.size, bias="bias" in linear)
-    out.weight = linear.weight[rows]
-    if "bias" in linear:
-        out.bias = linear.bias[rows]
-    return out
+    """``linear`` (float or MLX-quantized) keeping output ``rows`` only."""
+    for name in ("weight", "scales", "biases", "bias"):
+        if linear.get(name) is not None:
+            setattr(linear, name, linear[name][rows])
+    return linear
+
+
+def _keep_columns(projection, rank: int, size: int, what: str) -> None:
+    """``projection`` (float or MLX-quantized, one matrix or stacked experts) keeping rank ``rank``'s
+    share of its input columns, its bias on rank 0 alone (the ranks' outputs are summed); a
+    quantized one's share must be whole quantization groups."""
+    if projection.get("scales") is not None and projection["scales"].shape[-1] % size:
+        groups = projection["scales"].shape[-1]
+        raise ConfigError(f"tensor parallelism over {size} processes splits {what}'s input columns by whole quantization "
+                          f"groups, and its {groups} group(s) of {projection.group_size} do not divide by {size}: load "
+                          "a float checkpoint or one quantized in smaller groups")  # fmt: skip
+    for name in ("weight", "scales", "biases"):
+        if projection.get(name) is not None:
+            setattr(projection, name, mx.split(projection[name], size, axis=-1)[rank])
+    _partial_bias(projection, rank)
 
 
 def _shard_granite(network, group: mx.distributed.Group) -> None:
@@ -220,18 +231,15 @@ def _shard_granite(network, group: mx.distributed.Group) -> None:
 
 
 def _shard_experts(experts, first: tuple[str, ...], last: str, rank: int, size: int) -> None:
-    """Stacked experts (``moe.StackedLinear``, ``[E, out, in]``) by intermediate columns: the ``first``
+    """Stacked experts (``[E, out, in]``, float or MLX-quantized) by intermediate columns: the ``first``
     projections by output rows, ``last`` by input columns, its bias kept on rank 0 (the ranks' outputs
-    are summed); MLX-quantized experts are refused."""
-    projections = [getattr(experts, name) for name in (*first, last)]
-    if not all(isinstance(p, StackedLinear) for p in projections):
-        raise ConfigError("tensor parallelism does not shard MLX-quantized experts yet: load a float checkpoint")
-    for projection in projections[:-1]:
-        projection.weight = _share(projection.weight.swapaxes(0, 1), [], rank, size).swapaxes(0, 1)
-        if "bias" in projection:
-            projection.bias = _share(projection.bias.T, [], rank, size).T
-    projections[-1].weight = _share(projections[-1].weight.swapaxes(0, 2), [], rank, size).swapaxes(0, 2)
-    _partial_bias(projections[-1], rank)
+    are summed)."""
+    for name in first:
+        projection = getattr(experts, name)
+        for part, axis in (("weight", -2), ("scales", -2), ("biases", -2), ("bias", -1)):
+            if projection.get(part) is not None:
+                setattr(projection, part, mx.split(projection[part], size, axis=axis)[rank])
+    _keep_columns(getattr(experts, last), rank, size, last)
 
 
 def _shard_nemotron_h(network, group: mx.distributed.Group) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from butter_core import LoadOptions, Window
 from butter_core.distributed import shard_network, world
+from butter_core.loading.weights import WeightOptions
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 from butter_core.testing.tiny_models import TinySpec, write_tiny_model
@@ -75,11 +77,20 @@ def test_two_ranks_give_one_process_tokens_and_logits(model_dir, family_model, t
         if "ssm" not in get_plugin_host().schemes:
             pytest.skip("needs butter-ssm")
         model_dir = family_model(family)
+    assert_ranks_give_one_process(model_dir, tmp_path, family, scheme, window)
+
+
+def assert_ranks_give_one_process(model_dir, tmp_path, family, scheme, window, quantized=False):
+    """Two ranks' logits, greedy tokens (alone and batched) and cache bytes against one process's."""
     output = tmp_path / "ranks.safetensors"
-    done = launch(2, sys.executable, str(WORKER), str(model_dir), scheme, str(window), str(output))
+    done = launch(2, sys.executable, str(WORKER), str(model_dir), scheme, str(window), str(output),
+                  *(["quantized"] if quantized else []))  # fmt: skip
     assert done.returncode == 0 and output.exists(), done.stdout + done.stderr  # mlx.launch exits 0 when a rank fails
     ranks, meta = mx.load(str(output), return_metadata=True)
-    model = Model.load(str(model_dir), LoadOptions(kv_cache=scheme, kv_eviction=Window(window, keep=2) if window else None))
+    model = Model.load(str(model_dir), LoadOptions(kv_cache=scheme, kv_eviction=Window(window, keep=2) if window else None),
+                       weights=WeightOptions(dequantize=False) if quantized else None)  # fmt: skip
+    quantized_modules = sum("scales" in m for _, m in model.network.named_modules())
+    assert (quantized_modules > 0) == quantized and int(meta["quantized_modules"]) == quantized_modules
     prompt = model.encode_prompt("Once upon a time there was a tiny model that wrote short stories")
     caches = model.engine.make_layer_caches()
     logits = model.engine.forward(prompt, caches, all_logits=True)
@@ -121,6 +132,58 @@ def test_butter_generate_under_mlx_launch_prints_one_answer_and_all_ranks_bytes(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompt.safetensors.rank0of2", "prompt.safetensors.rank1of2"]
     assert "0 of" in runs[0].stderr and "after" not in runs[0].stderr.split("decode:")[0]
     assert " held" in runs[1].stderr
+
+
+def quantized_granite(family_model, directory: Path, intermediate: int) -> Path:
+    """The tiny Granite 4.0-H checkpoint with its experts' and shared MLP's intermediate size set to
+    ``intermediate`` (new random weights there) and every projection but the router MLX-quantized
+    (4 bits, groups of 32), as an mlx-lm conversion stores them."""
+    source = family_model("granitemoehybrid")
+    config = json.loads((source / "config.json").read_text())
+    config |= {"intermediate_size": intermediate, "shared_intermediate_size": intermediate,
+               "quantization": {"group_size": 32, "bits": 4}}  # fmt: skip
+    tensors = mx.load(str(source / "model.safetensors"))
+    resized = {"block_sparse_moe.input_linear.weight": lambda s: (s[0], 2 * intermediate, s[2]),
+               "block_sparse_moe.output_linear.weight": lambda s: (s[0], s[1], intermediate),
+               "shared_mlp.input_linear.weight": lambda s: (2 * intermediate, s[1]),
+               "shared_mlp.output_linear.weight": lambda s: (s[0], intermediate)}  # fmt: skip
+    stored = {}
+    for index, (name, tensor) in enumerate(sorted(tensors.items())):
+        for suffix, shape in resized.items():
+            if name.endswith(suffix):
+                new = shape(tensor.shape)
+                tensor = mx.random.normal(new, key=mx.random.key(index)) / new[-1] ** 0.5
+        if name.endswith(("proj.weight", "_linear.weight")):
+            stored[name], stored[name[: -len("weight")] + "scales"], stored[name[: -len("weight")] + "biases"] = (
+                mx.quantize(tensor, group_size=32, bits=4))  # fmt: skip
+        else:
+            stored[name] = tensor
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(directory / "model.safetensors"), stored, metadata={"format": "mlx"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((source / name).read_bytes())
+    return directory
+
+
+@pytest.mark.parametrize("scheme", ["raw", "aura4v4"])
+def test_two_ranks_shard_mlx_quantized_weights(family_model, tmp_path, scheme):
+    """MLX-quantized experts (rows of gate and up, whole groups of down's columns), the one-group Mamba2
+    input projection (rows picked) and every other projection: one process's logits and tokens."""
+    if scheme.rstrip("0123456789v") not in get_plugin_host().schemes or "ssm" not in get_plugin_host().schemes:
+        pytest.skip(f"needs the {scheme} scheme and butter-ssm")
+    directory = quantized_granite(family_model, tmp_path / "granite-q4", intermediate=64)
+    assert_ranks_give_one_process(directory, tmp_path, "granitemoehybrid", scheme, 0, quantized=True)
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_quantized_columns_that_are_not_whole_groups_per_rank_are_refused(family_model, tmp_path):
+    if "ssm" not in get_plugin_host().schemes:
+        pytest.skip("needs butter-ssm")
+    directory = quantized_granite(family_model, tmp_path / "granite-q4", intermediate=32)
+    done = launch(2, sys.executable, str(WORKER), str(directory), "raw", "0", str(tmp_path / "out.safetensors"), "quantized")
+    assert ("tensor parallelism over 2 processes splits down_proj's input columns by whole quantization groups, and its "
+            "1 group(s) of 32 do not divide by 2") in done.stderr, done.stderr
 
 
 @pytest.mark.usefixtures("raw_scheme")
