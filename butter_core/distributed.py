@@ -41,11 +41,14 @@ quantized projection whose input columns do not split into whole groups per rank
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
+from typing import Any
 
 import attrs
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 from mlx.nn.layers.distributed import shard_linear
 
@@ -378,3 +381,13 @@ def shared_seed(seed: int | None, group: mx.distributed.Group | None = None) -> 
         return seed
     mine = random.getrandbits(31) if group.rank() == 0 else 0
     return int(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group).item())
+
+
+def broadcast_json(value: Any, group: mx.distributed.Group) -> Any:
+    """Rank 0's ``value`` (JSON-serializable; the other ranks pass anything) on every rank of
+    ``group``: its encoded length, then its bytes, each an all-reduce to which the other ranks add
+    zeros (what ``butter serve`` sends its followers each scheduler step)."""
+    data = json.dumps(value).encode() if group.rank() == 0 else b""
+    size = int(mx.distributed.all_sum(mx.array(len(data), dtype=mx.int32), group=group).item())
+    local = mx.array(np.frombuffer(data, dtype=np.uint8)) if group.rank() == 0 else mx.zeros((size,), dtype=mx.uint8)
+    return json.loads(bytes(np.array(mx.distributed.all_sum(local, group=group))))

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -199,3 +204,52 @@ def test_butter_inspect_under_mlx_launch_reports_each_rank_and_all(model_dir):
     done = launch(2, *butter, "-m", str(model_dir), "--max-context", "256")
     assert "tensor parallel: rank 0 of 2" in done.stdout and "tensor parallel: rank 1 of 2" in done.stdout, done.stderr
     assert "K/V [1, 1, 256, 32]" in done.stdout  # each rank: one of the two KV heads
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_butter_serve_under_mlx_launch_answers_as_one_process_does(model_dir):
+    """``mlx.launch -n 2 -- butter serve``: rank 0 answers the ``openai`` client while rank 1 steps with
+    it; greedy replies to requests running together are one process's, a sampled request without a
+    seed completes (the ranks share a drawn seed), and Ctrl-C stops both ranks."""
+    openai = pytest.importorskip("openai")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "serve"]
+    argv = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(2)), "--", *butter,
+            "-m", str(model_dir), "--port", str(port), "--kv-cache", "raw", "--kv-memory", "4000000"]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    model = Model.load(str(model_dir), LoadOptions(kv_cache="raw"))
+    questions = ["What is the capital of France?", "Name a colour.", "Count to three."]
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60)
+
+        def ask(question, **sampling):
+            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}],
+                                                   max_tokens=8, **sampling)  # fmt: skip
+            return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            replies = list(pool.map(lambda q: ask(q, temperature=0), questions))
+        for question, (text, _) in zip(questions, replies):
+            prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": question}]),
+                                            add_special_tokens=False)  # fmt: skip
+            assert text == model.tokenizer.decode(list(model.generate(prompt, max_tokens=8)))
+        text, finish = ask(questions[0], temperature=0.9)
+        assert finish in ("stop", "length")
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the launcher and both ranks
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    assert "tensor parallel over 2 ranks" in err and "butter_core" not in err, err  # mlx.launch prints its own Ctrl-C

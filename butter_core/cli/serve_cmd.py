@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from butter_core.cli.model_options import add_model_arguments, load_model, non_negative_int, positive_int
+from butter_core.distributed import world
 from butter_core.serving.server import KV_MEMORY_FRACTION, PREFIX_CACHE_FRACTION, serve
 
 
@@ -31,7 +32,11 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     model = load_model(args)
     model_id = args.model or "default"
-    print(f"butter serve: {model_id} on http://{args.host}:{args.port}/v1 (kv cache {args.kv_cache})", file=sys.stderr)
+    group = world()
+    if group.rank() == 0:
+        ranks = f", tensor parallel over {group.size()} ranks" if group.size() > 1 else ""
+        print(f"butter serve: {model_id} on http://{args.host}:{args.port}/v1 (kv cache {args.kv_cache}{ranks})",
+              file=sys.stderr)  # fmt: skip
     serve(model, host=args.host, port=args.port, kv_memory=args.kv_memory, max_sessions=args.max_sessions,
           max_queue=args.max_queue, default_max_tokens=args.max_tokens, model_id=model_id,
           prefix_cache_bytes=args.prefix_cache_bytes)  # fmt: skip

@@ -19,6 +19,13 @@ Three limits, checked in this order:
   (``ConfigError``). The pages a request holds and its promise are released when it ends,
   however it ends; ``ledger`` reports both, so a test can check that nothing leaked.
 
+Under tensor parallelism (``mlx.launch -n N -- butter serve``) every rank holds its share of the
+model and a scheduler of its own; rank 0 serves HTTP, and each of its steps first sends the other
+ranks what changed (``broadcast_json``: requests added, with their prompt, limits and sampling,
+a seed drawn for any that gave none, and sequences cancelled). The other ranks ``follow``:
+they add, cancel and step alike, so every rank runs the same forward over the same sequences
+and samples the same tokens.
+
 With ``prefix_cache_bytes``, prompts read whole are kept in a ``PrefixCache`` of that many bytes
 (in the scheme's encoded form, apart from the pages), and a request whose prompt shares a prefix
 with a kept one prefills only the rest; its ``Ticket.cached_tokens`` says how many it reused.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 import traceback
 from collections.abc import Collection
@@ -37,6 +45,7 @@ import mlx.core as mx
 
 from butter_core.batch_generation import BatchGeneration
 from butter_core.batched import BatchedCaches
+from butter_core.distributed import broadcast_json, world
 from butter_core.errors import ButterError
 from butter_core.model import Model
 from butter_core.prefix_cache import PrefixCache
@@ -136,6 +145,8 @@ class Scheduler:
         self._tickets: dict[int, Ticket] = {}
         self._stopping = False
         self._stopped = threading.Event()
+        group = world()
+        self._group = group if group.size() > 1 else None
         self._thread = threading.Thread(target=_serve_then_park, args=(self,), name="butter-scheduler", daemon=True)
 
     def _fresh_batch(self) -> None:
@@ -205,17 +216,27 @@ class Scheduler:
             with self._lock:
                 while not (self._incoming or self._cancels or self._batch.active or self._stopping):
                     self._lock.wait()
-                if self._stopping:
-                    break
-                incoming, self._incoming = self._incoming, []
+                stopping = self._stopping
+                incoming, self._incoming = ([], self._incoming) if stopping else (self._incoming, [])
                 cancels, self._cancels = self._cancels, []
                 self._publish(arriving=len(incoming))
-            for submission in incoming:
-                self._add(submission)
+            adds = [_request(submission) for submission in incoming]
+            for submission, request in zip(incoming, adds):
+                self._add(submission, request)
+            cancelled = []
             for ticket in cancels:
                 if ticket.sequence_id is not None and ticket.finished is None:
                     self._batch.cancel(ticket.sequence_id)
                     self._finish(ticket.sequence_id)
+                    cancelled.append(ticket.sequence_id)
+            if self._group is not None:  # adds and cancels touch no model: the followers do them after
+                try:
+                    broadcast_json({"adds": adds, "cancels": cancelled, "stop": stopping}, self._group)
+                except Exception as exc:  # a rank is gone: no step can run any more
+                    self._end_all(f"tensor parallelism lost a rank: {exc}")
+                    raise
+            if stopping:
+                break
             if self._batch.active:
                 self._step()
             with self._lock:
@@ -227,10 +248,27 @@ class Scheduler:
             self._publish()
         mx.synchronize()
 
-    def _add(self, submission: _Submission) -> None:
+    def follow(self) -> None:
+        """A rank other than 0 under tensor parallelism: apply each step of rank 0's scheduler (the
+        requests it added, the sequences it cancelled) and step alike, until rank 0 closes."""
+        while True:
+            plan = broadcast_json(None, self._group)
+            if plan["stop"]:
+                break
+            for request in plan["adds"]:
+                with contextlib.suppress(ButterError):  # rank 0 refused it too, and answered its client
+                    _add_request(self._batch, request)
+            for sequence_id in plan["cancels"]:
+                self._batch.cancel(sequence_id)
+            if self._batch.active:
+                self._advance()
+            self._batch.finish_reasons.clear()  # no tickets here to hand them to
+            self._batch.cached_tokens.clear()
+        mx.synchronize()
+
+    def _add(self, submission: _Submission, request: dict) -> None:
         try:
-            sequence_id = self._batch.add(submission.prompt, max_tokens=submission.max_tokens,
-                                          sampler=submission.sampler, stop_ids=submission.stop_ids)  # fmt: skip
+            sequence_id = _add_request(self._batch, request)
         except ButterError as exc:
             submission.ticket._put(Finished("error", str(exc)))
             return
@@ -238,15 +276,8 @@ class Scheduler:
         self._tickets[sequence_id] = submission.ticket
 
     def _step(self) -> None:
-        try:
-            produced = self._batch.step()
-        except Exception as exc:  # noqa: BLE001 - the engine failed: end every request, keep serving
-            message = f"{type(exc).__name__}: {exc}"
-            for ticket in self._tickets.values():
-                ticket._put(Finished("error", message))
-            self._tickets.clear()
-            self._fresh_batch()
-            mx.clear_cache()
+        produced = self._advance()
+        if produced is None:
             return
         for sequence_id, ticket in self._tickets.items():
             if sequence_id in self._batch.cached_tokens:
@@ -256,11 +287,42 @@ class Scheduler:
         for sequence_id in [i for i in self._tickets if i in self._batch.finish_reasons]:
             self._finish(sequence_id)
 
+    def _advance(self) -> list[tuple[int, int]] | None:
+        """One step of the batch: its ``(sequence_id, token_id)`` pairs, or None where the engine
+        failed, which ends every request with the error and starts afresh (serving goes on)."""
+        try:
+            return self._batch.step()
+        except Exception as exc:  # noqa: BLE001
+            self._end_all(f"{type(exc).__name__}: {exc}")
+            self._fresh_batch()
+            mx.clear_cache()
+            return None
+
+    def _end_all(self, message: str) -> None:
+        for ticket in self._tickets.values():
+            ticket._put(Finished("error", message))
+        self._tickets.clear()
+
     def _finish(self, sequence_id: int) -> None:
         ticket = self._tickets.pop(sequence_id, None)
         if ticket is not None:
             ticket._put(Finished(self._batch.finish_reasons.pop(sequence_id, "cancelled")))
         self._batch.cached_tokens.pop(sequence_id, None)
+
+
+def _request(submission: _Submission) -> dict:
+    """What every rank needs to add ``submission`` alike (JSON): sampling by seed, one drawn here
+    where the request gave none, so that every rank draws the same tokens."""
+    sampler = submission.sampler
+    seed = sampler.seed if sampler.seed is not None or sampler.greedy else secrets.randbits(63)
+    stops = None if submission.stop_ids is None else sorted(submission.stop_ids)
+    return {"prompt": list(submission.prompt), "max_tokens": submission.max_tokens, "temperature": sampler.temperature,
+            "top_p": sampler.top_p, "seed": seed, "stop_ids": stops}  # fmt: skip
+
+
+def _add_request(batch: BatchGeneration, request: dict) -> int:
+    return batch.add(request["prompt"], max_tokens=request["max_tokens"], stop_ids=request["stop_ids"],
+                     sampler=Sampler(request["temperature"], request["top_p"], request["seed"]))  # fmt: skip
 
 
 _PARKED = threading.Event()

@@ -9,11 +9,13 @@ hand in a few lines, and ``http.server`` has no streaming cancellation or concur
 from __future__ import annotations
 
 import os
+import signal
 
 import mlx.core as mx
 import uvicorn
 
 from butter_core.batched import PAGE_SIZE
+from butter_core.distributed import world
 from butter_core.errors import ConfigError
 from butter_core.model import Model
 from butter_core.serving.openai_api import make_app
@@ -50,13 +52,18 @@ def capacity_for(model: Model, kv_memory: int, max_sessions: int) -> int:
 
 def serve(model: Model, *, host: str, port: int, kv_memory: int | None, max_sessions: int, max_queue: int,
           default_max_tokens: int, model_id: str, prefix_cache_bytes: int | None = None) -> None:  # fmt: skip
-    """Serve ``model`` until interrupted (``prefix_cache_bytes`` 0: no prefix cache; None: the default)."""
+    """Serve ``model`` until interrupted (``prefix_cache_bytes`` 0: no prefix cache; None: the default).
+    Under tensor parallelism rank 0 serves and the other ranks follow its scheduler until it stops."""
     kv_memory = kv_memory or int(device_memory() * KV_MEMORY_FRACTION)
     capacity = capacity_for(model, kv_memory, max_sessions)
     if prefix_cache_bytes is None:
         prefix_cache_bytes = int(kv_memory * PREFIX_CACHE_FRACTION)
     scheduler = Scheduler(model, capacity_tokens=capacity, max_sessions=max_sessions, max_queue=max_queue,
                           prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
+    if world().rank() != 0:  # tensor parallelism: rank 0 serves HTTP, the others step with it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 ends them all
+        scheduler.follow()
+        return
     scheduler.start()
     try:
         uvicorn.run(make_app(scheduler, model_id, default_max_tokens=default_max_tokens), host=host, port=port,
