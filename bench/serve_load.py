@@ -89,8 +89,7 @@ def start(engine: str, model: str, port: int, args) -> subprocess.Popen:
         if engine == "butter-noprefix":
             argv += ["--prefix-cache-bytes", "0"]
     else:
-        argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
-                "--decode-concurrency", str(args.max_sessions)]
+        argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]  # its defaults
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while True:
