@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import ctypes
 import functools
 import math
+from collections.abc import Iterator
 from typing import Literal
 
 import attrs
@@ -35,9 +37,26 @@ def _detected_backend() -> Backend | None:
     return None
 
 
+_GPU_DEFAULT: contextvars.ContextVar[bool] = contextvars.ContextVar("butter_gpu_default", default=False)
+"""Set only inside ``standing_in_for_gpu``: ``default_device_is_gpu`` answers True."""
+
+
 def default_device_is_gpu() -> bool:
-    """Whether MLX's default device is a GPU, i.e. ordinary mx ops run there."""
-    return mx.default_device().type == mx.gpu
+    """Whether MLX's default device is a GPU, i.e. ordinary mx ops run there (inside
+    ``standing_in_for_gpu``: True)."""
+    return _GPU_DEFAULT.get() or mx.default_device().type == mx.gpu
+
+
+@contextlib.contextmanager
+def standing_in_for_gpu() -> Iterator[None]:
+    """Within this block ``default_device_is_gpu()`` answers True, so caches take their GPU paths
+    on any machine; with ``kernels.executed_by`` standing in for the kernels, what a GPU decode
+    step builds on the host can be timed without a GPU (``bench/host_build.py``)."""
+    token = _GPU_DEFAULT.set(True)
+    try:
+        yield
+    finally:
+        _GPU_DEFAULT.reset(token)
 
 
 TENSOR_CORE_CAPABILITY = (8, 0)

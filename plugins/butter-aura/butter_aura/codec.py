@@ -37,6 +37,10 @@ class Codec:
     group: int
     head_dim: int
     book: Codebook = attrs.field()
+    fields: tuple = attrs.field(init=False, repr=False)
+    """``(bits, group, head_dim, book)``, made once: equal for equal codings, so functions traced for
+    a coding are cached by it (every layer's codec shares them) without rebuilding it each call;
+    ``Codec(*fields)`` makes the codec again."""
 
     @book.default
     def _book(self) -> Codebook:
@@ -45,6 +49,7 @@ class Codec:
     def __attrs_post_init__(self):
         if self.head_dim % self.group:
             raise ValueError(f"scale group {self.group} does not divide head_dim {self.head_dim}")
+        object.__setattr__(self, "fields", (self.bits, self.group, self.head_dim, self.book))
 
     @property
     def words(self) -> int:

@@ -33,7 +33,6 @@ import functools
 import itertools
 from collections.abc import Callable
 
-import attrs
 import mlx.core as mx
 
 from butter_core.plugin_api import softmax_for
@@ -70,7 +69,7 @@ def encode(
     """
     signs, mixing = _signs(rotation), rotation.mixing_matrix()
     if keys.shape[2] == 1:
-        fields = attrs.astuple(key_codec, recurse=False), attrs.astuple(value_codec, recurse=False)
+        fields = key_codec.fields, value_codec.fields
         widest = max(len(key_codec.book.boundaries), len(value_codec.book.boundaries))
         if key_codec.group == value_codec.group and 2 * keys.size * widest <= COMPARISONS_AT_ONCE:
             return _compiled_joint_encoder(*fields)(keys, values, signs, mixing)

@@ -210,8 +210,7 @@ def test_traced_decode_serves_every_step_from_one_trace(key_bits, value_bits, dt
             expected = reference.decode_attention(inputs["queries"], inputs["stored"], inputs["scale"])
         assert relative_error(out, expected) <= checks.ATTENTION_RTOL[dtype], length
     stored = inputs["stored"]
-    traced = attention._traced(attrs.astuple(stored.key_codec, recurse=False),
-                               attrs.astuple(stored.value_codec, recurse=False), stored.budget)
+    traced = attention._traced(stored.key_codec.fields, stored.value_codec.fields, stored.budget)
     assert len(traced.traces) == 1
 
 

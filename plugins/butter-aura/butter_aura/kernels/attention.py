@@ -486,8 +486,7 @@ def traced_decode_attention(queries: mx.array, stored: StoredLayer, scale: float
     if gpu_backend() != "cuda":
         return decode_attention(queries, stored, scale)
     _check_decode(queries, stored)
-    traced = _traced(attrs.astuple(stored.key_codec, recurse=False), attrs.astuple(stored.value_codec, recurse=False),
-                     stored.budget)
+    traced = _traced(stored.key_codec.fields, stored.value_codec.fields, stored.budget)
     return traced(queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
                   stored.value_scales, stored.fp_keys, stored.fp_values, stored.recent_slots, live_params(stored),
                   kernel_params((scale,), mx.float32))

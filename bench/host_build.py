@@ -1,0 +1,130 @@
+"""Host time to build one decode step's attention on the CUDA path, measured on any machine.
+
+A decode step on MLX's CUDA backend is bound by host time (docs/benchmarks.md, issue 32):
+what the Python around each layer's kernels costs is paid on the GPU machine as it is here.
+Inside ``standing_in_for_gpu`` and ``kernels.executed_by("cuda", ...)`` every cache takes
+its GPU path and every kernel call returns ready-made zeros instead of running, so the time
+to build ``--layers`` layers' ``update_and_attend`` (one token: its append and attention) is
+the host's share before MLX's own per-call cost (on the H200: ~2.6 µs to build and ~4.1 µs
+to evaluate each custom-kernel call, GPU-NOTES.md). Schemes whose CUDA path replays an
+``mx.compile`` trace build no kernel call per step once traced; the first steps trace.
+
+Per scheme: build µs per layer, the median of ``--rounds`` rounds (the paths interleaved)
+of each round's median over ``--steps`` steps (after ``WARMUP``), at
+``--context`` positions, bf16, 32 query / 8 KV heads, head_dim 128. ``mx.fast.sdpa`` with
+mlx-lm's slice-assigned append is the floor (its graph is two ``SliceUpdate``s, two slices
+and one SDPA node on a GPU; on a CPU MLX builds SDPA from several ops, so the floor here is
+above the GPU's).
+
+Usage: python bench/host_build.py [--kv-cache raw,affine4,aura4v2] [--context 4096] [--rounds 5] [--profile SCHEME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import butter_core  # noqa: F401 - before mlx.core
+import mlx.core as mx
+
+from butter_core import parse_kv_cache
+from butter_core.cache import LayerSpec
+from butter_core.kernels.backend import standing_in_for_gpu
+from butter_core.kernels.kernel import executed_by
+from butter_core.layer_caches import make_layer_caches
+
+WARMUP = 5
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def zeros_for_kernels(launch) -> list[mx.array]:
+    """An executor for ``executed_by``: a kernel call's outputs as zeros (one node each, as a
+    kernel call is one node of the graph; made anew, so that a traced path traces them)."""
+    return [mx.zeros(shape, dtype) for shape, dtype in zip(launch.output_shapes, launch.build.output_dtypes)]
+
+
+def floor_step(layers: int, context: int, steps: int):
+    """mlx-lm's decode attention per layer: slice-assign the token, SDPA over the live slice."""
+    keys = [mx.zeros((1, KV_HEADS, context + steps + WARMUP, HEAD_DIM), mx.bfloat16) for _ in range(layers)]
+    values = [mx.zeros_like(k) for k in keys]
+    mx.eval(keys, values)
+    offset = [context]
+
+    def step(q, k, v):
+        n = offset[0]
+        outs = []
+        for i in range(layers):
+            keys[i][..., n : n + 1, :] = k
+            values[i][..., n : n + 1, :] = v
+            outs.append(mx.fast.scaled_dot_product_attention(q, keys[i][..., : n + 1, :], values[i][..., : n + 1, :],
+                                                             scale=HEAD_DIM**-0.5))  # fmt: skip
+        offset[0] += 1
+        return outs
+
+    return step
+
+
+def scheme_step(name: str, layers: int, context: int, steps: int):
+    spec = LayerSpec(KV_HEADS, HEAD_DIM, context + steps + WARMUP + 8, mx.bfloat16)
+    caches = make_layer_caches(parse_kv_cache(name), [spec] * layers)
+    chunk = mx.zeros((1, KV_HEADS, min(context, 1024), HEAD_DIM), mx.bfloat16)
+    for cache in caches:
+        for _ in range(context // chunk.shape[2]):
+            cache.append(chunk, chunk)
+    mx.eval([cache.state() for cache in caches])
+    return lambda q, k, v: [cache.update_and_attend(q, k, v, scale=HEAD_DIM**-0.5) for cache in caches]
+
+
+def build_us(step, q, k, v, steps: int, layers: int, profile: cProfile.Profile | None = None) -> float:
+    times = []
+    for n in range(WARMUP + steps):
+        if profile is not None and n >= WARMUP:
+            profile.enable()
+        start = time.perf_counter()
+        outs = step(q, k, v)
+        times.append(time.perf_counter() - start)
+        if profile is not None:
+            profile.disable()
+        mx.eval(outs)
+    return 1e6 * statistics.median(times[WARMUP:]) / layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv-cache", default="raw,affine4,aura4v2")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", metavar="SCHEME", help="print a cProfile of that scheme's steps instead")
+    args = parser.parse_args()
+    q = mx.zeros((1, Q_HEADS, 1, HEAD_DIM), mx.bfloat16)
+    k = v = mx.zeros((1, KV_HEADS, 1, HEAD_DIM), mx.bfloat16)
+    with standing_in_for_gpu(), executed_by("cuda", zeros_for_kernels):
+        if args.profile:
+            profile = cProfile.Profile()
+            build_us(scheme_step(args.profile, args.layers, args.context, args.steps), q, k, v, args.steps, args.layers,
+                     profile)  # fmt: skip
+            pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+            return
+        print(f"MLX {mx.__version__}; host µs per layer to build one decode step's append + attention on the CUDA "
+              f"path; {args.layers} layers, context {args.context}, bf16; the median of {args.rounds} interleaved "
+              f"rounds' medians of {args.steps} steps")  # fmt: skip
+        total = (WARMUP + args.steps) * args.rounds
+        paths = {"slice-assign + mx.fast.sdpa": floor_step(args.layers, args.context, total)}
+        paths |= {f"butter {name}": scheme_step(name, args.layers, args.context, total) for name in args.kv_cache.split(",")}
+        rounds = {name: [] for name in paths}
+        for _ in range(args.rounds):
+            for name, step in paths.items():
+                rounds[name].append(build_us(step, q, k, v, args.steps, args.layers))
+        floor = statistics.median(rounds["slice-assign + mx.fast.sdpa"])
+        for name, values in rounds.items():
+            us = statistics.median(values)
+            print(f"{name:<28} {us:6.1f}  {us / floor:.2f}x   rounds {' '.join(f'{x:.1f}' for x in values)}")
+
+
+if __name__ == "__main__":
+    main()
