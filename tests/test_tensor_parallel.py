@@ -212,9 +212,7 @@ def test_butter_serve_under_mlx_launch_answers_as_one_process_does(model_dir):
     it; greedy replies to requests running together are one process's, a sampled request without a
     seed completes (the ranks share a drawn seed), and Ctrl-C stops both ranks."""
     openai = pytest.importorskip("openai")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_ports(1)
     butter = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "serve"]
     argv = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(2)), "--", *butter,
             "-m", str(model_dir), "--port", str(port), "--kv-cache", "raw", "--kv-memory", "4000000"]  # fmt: skip

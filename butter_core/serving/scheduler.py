@@ -216,8 +216,9 @@ class Scheduler:
             with self._lock:
                 while not (self._incoming or self._cancels or self._batch.active or self._stopping):
                     self._lock.wait()
-                stopping = self._stopping
-                incoming, self._incoming = ([], self._incoming) if stopping else (self._incoming, [])
+                if self._stopping:
+                    break
+                incoming, self._incoming = self._incoming, []
                 cancels, self._cancels = self._cancels, []
                 self._publish(arriving=len(incoming))
             adds = [_request(submission) for submission in incoming]
@@ -229,24 +230,28 @@ class Scheduler:
                     self._batch.cancel(ticket.sequence_id)
                     self._finish(ticket.sequence_id)
                     cancelled.append(ticket.sequence_id)
-            if self._group is not None:  # adds and cancels touch no model: the followers do them after
-                try:
-                    broadcast_json({"adds": adds, "cancels": cancelled, "stop": stopping}, self._group)
-                except Exception as exc:  # a rank is gone: no step can run any more
-                    self._end_all(f"tensor parallelism lost a rank: {exc}")
-                    raise
-            if stopping:
-                break
+            self._tell_followers({"adds": adds, "cancels": cancelled, "stop": False})  # after: adds touch no model
             if self._batch.active:
                 self._step()
             with self._lock:
                 self._publish()
+        self._tell_followers({"adds": [], "cancels": [], "stop": True})
         for sequence_id in list(self._tickets):
             self._batch.cancel(sequence_id)
             self._finish(sequence_id)
         with self._lock:
             self._publish()
         mx.synchronize()
+
+    def _tell_followers(self, plan: dict) -> None:
+        """Send the other ranks (tensor parallelism) this step's ``plan``, which ``follow`` applies."""
+        if self._group is None:
+            return
+        try:
+            broadcast_json(plan, self._group)
+        except Exception as exc:  # a rank is gone: no step can run any more
+            self._end_all(f"tensor parallelism lost a rank: {exc}")
+            raise
 
     def follow(self) -> None:
         """A rank other than 0 under tensor parallelism: apply each step of rank 0's scheduler (the
