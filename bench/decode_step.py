@@ -32,8 +32,9 @@ Wall clock, host included (issue 32's method, docs/benchmarks.md). Kernel-only f
 
 3. **Latency after load** (``--latency``, instead of 1 and 2): per scheme, ``Model.load`` of a
    Qwen3-1.7B-shaped directory (random bf16 weights, written once to ``--model-dir``), then
-   a 4096-token prompt and 16 greedy tokens: time to the first token, the first decode
-   step, and the median of the steady steps after it. Run it twice with the same
+   ``butter_core.warm_up`` (unless ``--no-warm-up``), then a 4096-token prompt and 16 greedy
+   tokens: the warm-up's time, time to the first token, the first decode step, and the
+   median of the steady steps after it. Run it twice with the same
    ``MLX_PTX_CACHE_DIR`` (first empty) to see what MLX's on-disk kernel cache saves a
    second process.
 
@@ -41,7 +42,7 @@ Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
 
     python3 bench/decode_step.py [--context 4096 32768 131072] [--e2e-context 4096 32768]
         [--kv-cache raw,affine4,aura4v2] [--steps 20] [--rounds 3] [--decode-tokens 64]
-        [--skip-layers] [--skip-e2e] [--small] [--latency [--model-dir DIR]]
+        [--skip-layers] [--skip-e2e] [--small] [--latency [--no-warm-up] [--model-dir DIR]]
 
 ``--small`` shrinks the heads, layers and model to run on a CPU as a check of the script.
 """
@@ -258,26 +259,29 @@ def e2e_section(args, config: dict) -> None:
 
 def latency_section(args) -> None:
     from butter_core.model import Model
+    from butter_core.warm_up import warm_up
     from long_prefill import write_model
 
     if not (args.model_dir / "model.safetensors").exists():
         write_model(args.model_dir, "small" if args.small else "qwen3-1.7b", "bfloat16", 40960)
-    print("\n## Latency after Model.load: 4096-token prompt, 16 greedy tokens\n")
-    print("| scheme | load s | first token s | first step ms | steady step ms | first / steady |")
-    print("|---|---:|---:|---:|---:|---:|")
+    warm = "no warm-up" if args.no_warm_up else "after warm_up(engine, 4096 + 16)"
+    print(f"\n## Latency after Model.load ({warm}): 4096-token prompt, 16 greedy tokens\n")
+    print("| scheme | load s | warm-up s | first token s | first step ms | steady step ms | first / steady |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in args.kv_cache:
         start = time.perf_counter()
         model = Model.load(args.model_dir, LoadOptions(kv_cache=parse_kv_cache(name)))
         loaded = time.perf_counter()
+        warmed = loaded if args.no_warm_up else loaded + warm_up(model.engine, 4096 + 16).seconds
         prompt = mx.random.randint(0, model.network.args.vocab_size, (4096,), key=mx.random.key(1)).astype(mx.uint32)
         caches = model.engine.make_layer_caches()
-        times = [loaded]
+        times = [time.perf_counter()]
         for _ in Generation(model.engine, prompt, caches, max_tokens=16):
             times.append(time.perf_counter())
         steps = [b - a for a, b in zip(times[1:], times[2:])]
         steady = statistics.median(steps[2:])
-        print(f"| {name} | {loaded - start:.2f} | {times[1] - loaded:.2f} | {1e3 * steps[0]:.1f} | {1e3 * steady:.1f} | "
-              f"{steps[0] / steady:.1f}x |", flush=True)  # fmt: skip
+        print(f"| {name} | {loaded - start:.2f} | {warmed - loaded:.2f} | {times[1] - times[0]:.2f} | {1e3 * steps[0]:.1f} | "
+              f"{1e3 * steady:.1f} | {steps[0] / steady:.1f}x |", flush=True)  # fmt: skip
         del model, caches
         mx.clear_cache()
 
@@ -295,6 +299,7 @@ def main() -> None:
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--small", action="store_true", help="small heads, layers and model: a CPU check of the script")
     parser.add_argument("--latency", action="store_true")
+    parser.add_argument("--no-warm-up", action="store_true", help="--latency without butter_core.warm_up first")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/butter-decode-step-model"))
     args = parser.parse_args()
     print(f"MLX {mx.__version__}, {mx.default_device()}, {mx.device_info().get('device_name', '')}, {time.strftime('%Y-%m-%d')}")

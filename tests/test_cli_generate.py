@@ -2,6 +2,7 @@
 
 import functools
 import importlib.util
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,15 @@ def test_generate_streams_text_to_stdout_and_one_summary_line_to_stderr(capsys, 
     assert err.count("\n") == 1
     for field in ("prompt:", "decode: 8 tokens", "tok/s", "KV:", "allocated", "live", "peak memory"):
         assert field in err
+
+
+def test_warm_up_reports_its_time_and_changes_no_token(capsys, model_path):
+    argv = ["generate", "-m", model_path, "-p", "The quick brown fox", "--max-tokens", "8"]
+    plain = run(capsys, *argv)
+    code, out, err = run(capsys, *argv, "--warm-up")
+    assert code == 0 and out == plain[1]
+    first, summary = err.splitlines()
+    assert re.fullmatch(r"warm-up: \d+\.\d\d s", first) and summary.startswith("prompt:")
 
 
 def test_generate_with_chat_window_and_seeded_sampling(capsys, model_path):

@@ -13,6 +13,7 @@ from butter_core.generation import format_bytes
 from butter_core.progress import Progress
 from butter_core.prompt_cache import rank_file, resume_prompt_cache, save_prompt_cache
 from butter_core.sampling import Sampler
+from butter_core.warm_up import warm_up
 
 PROGRESS_DELAY = 2.0
 """Seconds a prefill runs before its progress shows on stderr."""
@@ -32,6 +33,9 @@ def add_parser(sub) -> None:
     parser.add_argument("--prompt-cache", metavar="FILE",
                         help="reuse the prompt prefix FILE holds (if it exists, for this model and --kv-cache), "
                              "then save this prompt's cache to FILE (safetensors)")  # fmt: skip
+    parser.add_argument("--warm-up", action="store_true",
+                        help="compile the kernels this generation runs before it starts (butter_core.warm_up), so "
+                             "the first token and decode step are timed without compilation")  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -58,6 +62,8 @@ def run(args) -> int:
         prompt[held:], caches, sampler=sampler, max_tokens=args.max_tokens, stop_ids=() if args.ignore_eos else None,
         prefill_progress=lambda done, total: prefill.advance_to(done, "tokens"), prefilled=prefilled,
     )  # fmt: skip
+    if args.warm_up:  # after the request is checked (model.generate), before its first token
+        print(f"warm-up: {warm_up(model.engine, len(prompt) + args.max_tokens).seconds:.2f} s", file=err)
     detokenizer = model.tokenizer.detokenizer()
     for token_id in generation:
         prefill.finish()

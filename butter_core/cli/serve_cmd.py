@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                              f"used evicted; 0 turns reuse off (default {PREFIX_CACHE_FRACTION * 100:.0f}%% of --kv-memory)")  # fmt: skip
     parser.add_argument("--max-tokens", type=positive_int, default=512, metavar="N",
                         help="a chat request's max_tokens when it gives none (default 512)")  # fmt: skip
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="skip compiling the batched prefill and decode kernels before serving (then the first "
+                             "requests pay it)")  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -39,5 +42,5 @@ def run(args) -> int:
               file=sys.stderr)  # fmt: skip
     serve(model, host=args.host, port=args.port, kv_memory=args.kv_memory, max_sessions=args.max_sessions,
           max_queue=args.max_queue, default_max_tokens=args.max_tokens, model_id=model_id,
-          prefix_cache_bytes=args.prefix_cache_bytes)  # fmt: skip
+          prefix_cache_bytes=args.prefix_cache_bytes, warm_up=args.warm_up)  # fmt: skip
     return 0

@@ -1,7 +1,8 @@
 """The kernel layer: write a kernel body once, run it as a Metal or CUDA MLX kernel.
 
 - ``backend``: which GPU backend this process has, and whether it runs the tensor-core
-  vocabulary (CUDA: compute capability 8.0 or newer).
+  vocabulary (CUDA: compute capability 8.0 or newer); ``standing_in_for_gpu``, under
+  which caches take their GPU paths on any machine.
 - ``dialect``: the vocabulary kernel bodies are written in, per backend.
 - ``kernel``: ``Kernel``, a lazily built custom kernel; output poisoning; ``executed_by``,
   which hands kernel calls to another executor as if on a given backend, and
@@ -21,7 +22,13 @@
   fragments, online softmax, partials), on the dialect's ``bt_mma_16x8x16``.
 """
 
-from butter_core.kernels.backend import Backend, default_device_is_gpu, gpu_backend, tensor_cores_available
+from butter_core.kernels.backend import (
+    Backend,
+    default_device_is_gpu,
+    gpu_backend,
+    standing_in_for_gpu,
+    tensor_cores_available,
+)
 from butter_core.kernels.checks import CheckResult, KernelCheck, paged_attention_inputs, relative_error, scattered_pages
 from butter_core.kernels.kernel import (
     Build,
@@ -54,5 +61,6 @@ __all__ = [
     "recorded_builds",
     "relative_error",
     "split_k",
+    "standing_in_for_gpu",
     "tensor_cores_available",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import mlx.core as mx
 import uvicorn
@@ -20,6 +21,7 @@ from butter_core.errors import ConfigError
 from butter_core.model import Model
 from butter_core.serving.openai_api import make_app
 from butter_core.serving.scheduler import Scheduler
+from butter_core.warm_up import warm_up_batched
 
 KV_MEMORY_FRACTION = 0.25
 """Of the device's memory, what the caches take when ``kv_memory`` is not given."""
@@ -51,11 +53,17 @@ def capacity_for(model: Model, kv_memory: int, max_sessions: int) -> int:
 
 
 def serve(model: Model, *, host: str, port: int, kv_memory: int | None, max_sessions: int, max_queue: int,
-          default_max_tokens: int, model_id: str, prefix_cache_bytes: int | None = None) -> None:  # fmt: skip
-    """Serve ``model`` until interrupted (``prefix_cache_bytes`` 0: no prefix cache; None: the default).
-    Under tensor parallelism rank 0 serves and the other ranks follow its scheduler until it stops."""
+          default_max_tokens: int, model_id: str, prefix_cache_bytes: int | None = None,
+          warm_up: bool = True) -> None:  # fmt: skip
+    """Serve ``model`` until interrupted (``prefix_cache_bytes`` 0: no prefix cache; None: the default),
+    after compiling the batched kernels (``warm_up_batched``) unless ``warm_up`` is False. Under tensor
+    parallelism rank 0 serves and the other ranks follow its scheduler until it stops."""
     kv_memory = kv_memory or int(device_memory() * KV_MEMORY_FRACTION)
     capacity = capacity_for(model, kv_memory, max_sessions)
+    if warm_up:
+        seconds = warm_up_batched(model.engine)
+        if world().rank() == 0:
+            print(f"butter serve: warmed up in {seconds:.2f} s", file=sys.stderr)
     if prefix_cache_bytes is None:
         prefix_cache_bytes = int(kv_memory * PREFIX_CACHE_FRACTION)
     scheduler = Scheduler(model, capacity_tokens=capacity, max_sessions=max_sessions, max_queue=max_queue,

@@ -67,6 +67,7 @@ FAMILY_CONFIGS = {
 class TinySpec:
     """Which tiny model to write.
 
+    ``head_dim`` (qwen3 only) replaces the family's 32, for kernels that take wider heads;
     ``quantization``: ``(bits, group_size)`` to store every Linear and Embedding
     MLX-quantized; ``layer_types``/``sliding_window`` give layers a family sliding
     window; ``shards`` > 1 writes sharded safetensors with an index.
@@ -79,6 +80,7 @@ class TinySpec:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     max_position_embeddings: int = 512
+    head_dim: int | None = None
     shards: int = 1
     seed: int = 0
 
@@ -105,6 +107,10 @@ def tiny_config(spec: TinySpec) -> dict:
         "torch_dtype": spec.dtype,
         "eos_token_id": 0,
     }
+    if spec.head_dim is not None:
+        if "head_dim" not in config:
+            raise ValueError(f"TinySpec.head_dim: the {spec.family} family's head_dim is hidden_size / heads")
+        config["head_dim"] = spec.head_dim
     if spec.layer_types is not None:
         config |= {"layer_types": list(spec.layer_types), "sliding_window": spec.sliding_window}
     if spec.quantization is not None:

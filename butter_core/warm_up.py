@@ -1,0 +1,144 @@
+"""Compiling, before a generation, what it will run: ``warm_up`` (one sequence) and
+``warm_up_batched`` (``BatchGeneration``, as ``butter serve`` runs).
+
+MLX compiles a GPU kernel the first time a process calls it with given template values:
+butter's custom kernels (NVRTC on CUDA, the Metal compiler on Apple silicon), and MLX's own
+JIT-built kernels (fused elementwise graphs of ``mx.compile`` among them). A generation
+first calls its prefill kernels at its first chunk and its decode kernels at its first
+decode step, so a process's first request pays seconds of compilation between tokens.
+A scheme may also choose a kernel variant by a cache's allocation or live length
+(butter-affine's tensor-core decode takes longer key steps from about 64k on an H200),
+which a later, longer request would then compile in its turn.
+
+``warm_up`` runs, on throwaway caches, what generations up to ``context`` positions run:
+a prompt of one full prefill chunk and a short one, then a few decode steps, through the
+whole model (every layer type's cache), and then, per distinct attention cache, one decode
+step at each probe length (``probe_lengths``: powers of two up to ``context``, and
+``context``): every allocation a generation can make lies within a factor of two of a
+probe, and a variant chosen by a threshold in the allocation or the live length is met
+on both sides of it. Compiled kernels stay for the process; MLX's on-disk cache keeps
+CUDA builds for later processes (docs/architecture.md, "Compiled kernels are keyed by
+their source and dtypes").
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import mlx.core as mx
+
+from butter_core.batched import PAGE_SIZE
+from butter_core.batch_generation import BatchGeneration
+from butter_core.cache import AttentionCache, LayerSpec
+from butter_core.engine import Engine
+from butter_core.generation import Generation
+from butter_core.window import WindowCache
+
+DECODE_STEPS = 3
+"""Tokens a warm-up generates after its prompt: the first decode steps, which build what
+every later step replays."""
+FIRST_PROBE = 4096
+"""The shortest probe length: shorter allocations share the warm-up prompt's kernels."""
+
+
+@attrs.frozen
+class WarmUp:
+    """What a warm-up ran and how long it took (wall clock, evaluated)."""
+
+    seconds: float
+    prompt_tokens: int
+    probe_lengths: tuple[int, ...]
+    """Positions each distinct attention cache was probed at (one decode step each)."""
+
+
+def probe_lengths(context: int, start: int = FIRST_PROBE) -> tuple[int, ...]:
+    """Powers of two from ``start`` below ``context``, then ``context`` itself (nothing
+    where ``context`` is shorter than ``start``)."""
+    lengths, length = [], start
+    while length < context:
+        lengths.append(length)
+        length *= 2
+    return (*lengths, context) if context >= start else ()
+
+
+def warm_up(engine: Engine, context: int | None = None) -> WarmUp:
+    """Run what ``engine``'s generations of up to ``context`` positions (default: the caches'
+    capacity) compile, on caches made for it and dropped after. Deterministic (fixed token
+    ids, greedy), so every rank of a tensor-parallel group runs it alike."""
+    start = time.perf_counter()
+    capacity = _capacity(engine)
+    context = capacity if context is None else min(context, capacity)
+    prompt = max(1, min(engine.prefill_chunk + 8, context - DECODE_STEPS))
+    caches = engine.make_layer_caches()
+    for _ in Generation(engine, _token_ids(engine, prompt), caches, max_tokens=DECODE_STEPS):
+        pass
+    del caches
+    lengths = _probe(engine, context, prompt + DECODE_STEPS)
+    mx.clear_cache()
+    return WarmUp(time.perf_counter() - start, prompt, lengths)
+
+
+def warm_up_batched(engine: Engine, *, page_size: int = PAGE_SIZE) -> float:
+    """Run what ``BatchGeneration`` compiles (paged decode kernels, ragged prefill chunks) on
+    batched caches made for it and dropped after: two sequences, one prompt of a full chunk
+    and one short, prefilled together and decoded together. Returns the seconds it took."""
+    start = time.perf_counter()
+    capacity = _capacity(engine)
+    long_prompt = max(1, min(engine.prefill_chunk + 8, capacity - DECODE_STEPS))
+    short_prompt = max(1, min(page_size + 3, long_prompt // 2))
+    pages = sum(-(-(n + DECODE_STEPS) // page_size) for n in (long_prompt, short_prompt))
+    caches = engine.make_batched_caches(pages * page_size, page_size=page_size, max_sequences=2)
+    batch = BatchGeneration(engine, caches)
+    for length in (long_prompt, short_prompt):
+        batch.add(_token_ids(engine, length), max_tokens=DECODE_STEPS)
+    for _ in batch:
+        pass
+    del batch, caches
+    mx.clear_cache()
+    return time.perf_counter() - start
+
+
+def _capacity(engine: Engine) -> int:
+    """The longest context a cache of ``engine`` holds from the start (unbounded windows: the
+    configured or trained context)."""
+    return engine.options.max_context_length or engine.network.args.max_position_embeddings
+
+
+def _token_ids(engine: Engine, count: int) -> mx.array:
+    return (mx.arange(count, dtype=mx.uint32) * 7919) % engine.network.args.vocab_size
+
+
+def _probe(engine: Engine, context: int, shortest: int) -> tuple[int, ...]:
+    """One decode step of each distinct attention cache of ``engine`` (by type, spec up to the
+    layer index, and the positions it can hold) at each of its probe lengths above ``shortest``,
+    on fresh caches filled with zeros; returns the lengths probed."""
+    picks: dict[tuple, int] = {}
+    for index, cache in enumerate(engine.make_layer_caches()):
+        if isinstance(cache, AttentionCache):
+            held = min(context, cache.window.max_size if isinstance(cache, WindowCache) else cache.capacity or context)
+            picks.setdefault((type(cache), attrs.evolve(cache.spec, layer_index=0), held), index)
+    probed = set()
+    for (_, _, held), index in picks.items():
+        for length in probe_lengths(held):
+            if length > shortest:
+                _decode_at(engine, engine.make_layer_caches()[index], length)
+                probed.add(length)
+    return tuple(sorted(probed))
+
+
+def _decode_at(engine: Engine, cache: AttentionCache, length: int) -> None:
+    """``cache`` filled with ``length - 1`` zero positions, a chunk at a time, then one decode step."""
+    spec: LayerSpec = cache.spec
+    args = engine.network.args
+    chunk = engine.prefill_chunk
+    cache.reserve(length)
+    rows = mx.zeros((spec.batch_size, spec.n_kv_heads, chunk, spec.head_dim), spec.dtype)
+    for filled in range(0, length - 1, chunk):
+        part = rows[:, :, : min(chunk, length - 1 - filled)]
+        cache.append(part, part)
+        mx.eval(cache.state)
+    heads = spec.n_kv_heads * args.num_attention_heads // args.num_key_value_heads
+    queries = mx.zeros((spec.batch_size, heads, 1, spec.head_dim), spec.dtype)
+    token = rows[:, :, :1]
+    mx.eval(cache.update_and_attend(queries, token, token, scale=spec.head_dim**-0.5))
