@@ -167,6 +167,14 @@ class AuraCache(BufferedSlotCache):
         their recent-ring row, into the full-precision rows."""
         budget, fp = self.budget, self._fp
         end = start + keys.shape[2]
+        if end - start == 1 and start >= budget.sinks:  # a decode step's token: at most its own row
+            index = budget.ring_index(start)
+            if index is not None and position >= self._recent_positions[index]:
+                row = budget.sinks + index
+                fp["fp_keys"][:, :, row : row + 1] = keys.astype(self.fp_dtype)
+                fp["fp_values"][:, :, row : row + 1] = values.astype(self.fp_dtype)
+                self._recent[index], self._recent_positions[index] = start, position
+            return
         if start < budget.sinks:
             stop = min(budget.sinks, end)
             fp["fp_keys"][:, :, start:stop] = keys[:, :, : stop - start].astype(self.fp_dtype)
