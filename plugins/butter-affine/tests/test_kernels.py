@@ -109,7 +109,7 @@ def test_one_group_decode_replays_one_trace_while_the_buffers_keep_their_shape()
     stacks = stack({name: inputs[name] for name in BUFFERS})
     factor, softmax = softmax_for(600)
     traced = ops._traced_step(inputs["scale"] * factor, softmax, ops._one_group_scores, 8, 64)
-    traced.traces.clear()  # shared with the other tests' calls
+    traced.clear()  # shared with the other tests' calls
     for length in (600, 601, 650):
         out = ops.one_group_decode(inputs["queries"], stacks, length, inputs["scale"])
         expected = decode.decode_attention_reference(**{**inputs, "length": length})
