@@ -16,9 +16,8 @@ whole model (every layer type's cache), and then, per distinct attention cache, 
 step at each probe length (``probe_lengths``: powers of two up to ``context``, and
 ``context``): every allocation a generation can make lies within a factor of two of a
 probe, and a variant chosen by a threshold in the allocation or the live length is met
-on both sides of it. Compiled kernels stay for the process; MLX's on-disk cache keeps
-CUDA builds for later processes (docs/architecture.md, "Compiled kernels are keyed by
-their source and dtypes").
+on both sides of it. Compiled kernels stay for the process (what carries over to later
+processes: docs/architecture.md, "Across processes, and warming up").
 """
 
 from __future__ import annotations
