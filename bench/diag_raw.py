@@ -1,6 +1,19 @@
-"""Diagnosis (issue 32): why butter raw's decode waits ~4x mx.fast.sdpa's GPU time at 32k+ on CUDA."""
-import statistics, time
-import butter_core
+"""Diagnosis (issue 32): why butter raw's decode step waits longer than ``mx.fast.sdpa`` over a
+contiguous array, at 32k on a GPU.
+
+28 layers; wall µs per layer (build included) and the allocator's peak over the active
+memory per step (a step that copies a buffer shows its size), for SDPA over live slices of
+separate buffers and of views of a ``[2, ...]`` stack (as ``SlotBuffers`` keeps raw's keys and
+values), with and without slice-assigned appends, and butter raw's own cache, reserved as a
+generation reserves it and grown by appends as ``decode_step.py`` fills it.
+
+Usage: python3 bench/diag_raw.py   (results: docs/benchmarks.md, "Issue 32 on an H100")
+"""
+
+import statistics
+import time
+
+import butter_core  # noqa: F401 - before mlx.core
 import mlx.core as mx
 from butter_core import parse_kv_cache
 from butter_core.cache import LayerSpec
