@@ -21,60 +21,97 @@ from butter_core.layer_caches import make_layer_caches
 
 L, H, Q, D, CTX, STEPS = 28, 8, 32, 128, 32768, 20
 ALLOC = CTX + 64
-scale = D**-0.5
-q = mx.random.normal((1, Q, 1, D)).astype(mx.bfloat16); t = mx.random.normal((1, H, 1, D)).astype(mx.bfloat16)
-mx.eval(q, t)
+SCALE = D**-0.5
 
-def timed(name, step):
+
+def timed(name, step) -> None:
     walls, peaks = [], []
     for n in range(3 + STEPS):
-        mx.synchronize(); mx.reset_peak_memory(); base = mx.get_active_memory()
-        s = time.perf_counter(); outs = step(n); mx.eval(outs); w = time.perf_counter() - s
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        start = time.perf_counter()
+        mx.eval(step(n))
+        wall = time.perf_counter() - start
         if n >= 3:
-            walls.append(w); peaks.append((mx.get_peak_memory() - base) / 2**20)
-    print(f"{name:<52} {1e6 * statistics.median(walls) / L:8.1f} us/layer  peak over active {statistics.median(peaks):8.1f} MiB", flush=True)
+            walls.append(wall)
+            peaks.append((mx.get_peak_memory() - base) / 2**20)
+    print(f"{name:<52} {1e6 * statistics.median(walls) / L:8.1f} us/layer  "
+          f"peak over active {statistics.median(peaks):8.1f} MiB", flush=True)  # fmt: skip
 
-def fresh(shape):
+
+def fresh(shape) -> mx.array:
     return mx.random.normal(shape).astype(mx.bfloat16)
 
-# 1. SDPA over live slices of separate buffers (mlx-lm's layout), no append
-ks = [fresh((1, H, ALLOC, D)) for _ in range(L)]; vs = [k * 0.5 for k in ks]; mx.eval(ks, vs)
-timed("sdpa, slices of separate buffers", lambda n: [mx.fast.scaled_dot_product_attention(q, k[:, :, :CTX], v[:, :, :CTX], scale=scale) for k, v in zip(ks, vs)])
-# 2. the same with slice-assigned appends (mlx-lm KVCache's step)
-def sep_step(n):
-    outs = []
-    for i in range(L):
-        ks[i][:, :, CTX + n : CTX + n + 1] = t; vs[i][:, :, CTX + n : CTX + n + 1] = t
-        outs.append(mx.fast.scaled_dot_product_attention(q, ks[i][:, :, : CTX + n + 1], vs[i][:, :, : CTX + n + 1], scale=scale))
-    return outs
-timed("append + sdpa, separate buffers", sep_step)
-del ks, vs; mx.clear_cache()
-# 3. stacked [2, ...] buffers, views by split + squeeze, no append
-st = [mx.stack([fresh((1, H, ALLOC, D))] * 2) for _ in range(L)]; mx.eval(st)
-def views(s):
-    k, v = mx.split(s, 2); return k.squeeze(0), v.squeeze(0)
-timed("sdpa, slices of split views of a [2,...] stack", lambda n: [mx.fast.scaled_dot_product_attention(q, *(x[:, :, :CTX] for x in views(s)), scale=scale) for s in st])
-timed("sdpa, slices of s[0], s[1] of the stack", lambda n: [mx.fast.scaled_dot_product_attention(q, s[0][:, :, :CTX], s[1][:, :, :CTX], scale=scale) for s in st])
-# 4. stacked with one slice-assigned append of [2, ...]
-row = mx.stack([t, t])
-def st_step(n):
-    outs = []
-    for i in range(L):
-        st[i][:, :, :, CTX + n : CTX + n + 1] = row
-        k, v = views(st[i])
-        outs.append(mx.fast.scaled_dot_product_attention(q, k[:, :, : CTX + n + 1], v[:, :, : CTX + n + 1], scale=scale))
-    return outs
-timed("append + sdpa, [2,...] stack", st_step)
-del st; mx.clear_cache()
-# 5. butter raw, reserved like a generation, and filled by append like decode_step.py
-for how in ("reserve", "append-grown"):
-    spec = LayerSpec(H, D, ALLOC, mx.bfloat16)
-    caches = make_layer_caches(parse_kv_cache("raw"), [spec] * L)
+
+def sdpa(q, k, v):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE)
+
+
+def separate(q, t) -> None:
+    """mlx-lm's layout: one buffer for keys, one for values."""
+    ks = [fresh((1, H, ALLOC, D)) for _ in range(L)]
+    vs = [k * 0.5 for k in ks]
+    mx.eval(ks, vs)
+    timed("sdpa, slices of separate buffers", lambda n: [sdpa(q, k[:, :, :CTX], v[:, :, :CTX]) for k, v in zip(ks, vs)])
+
+    def step(n):
+        outs = []
+        for k, v in zip(ks, vs):
+            k[:, :, CTX + n : CTX + n + 1] = t
+            v[:, :, CTX + n : CTX + n + 1] = t
+            outs.append(sdpa(q, k[:, :, : CTX + n + 1], v[:, :, : CTX + n + 1]))
+        return outs
+
+    timed("append + sdpa, separate buffers", step)
+
+
+def stacked(q, t) -> None:
+    """``SlotBuffers``' layout for raw: keys and values in one ``[2, ...]`` array."""
+    stacks = [mx.stack([fresh((1, H, ALLOC, D))] * 2) for _ in range(L)]
+    mx.eval(stacks)
+
+    def views(stack):
+        k, v = mx.split(stack, 2)
+        return k.squeeze(0), v.squeeze(0)
+
+    timed("sdpa, slices of split views of a [2,...] stack",
+          lambda n: [sdpa(q, *(x[:, :, :CTX] for x in views(s))) for s in stacks])  # fmt: skip
+    timed("sdpa, slices of s[0], s[1] of the stack", lambda n: [sdpa(q, s[0][:, :, :CTX], s[1][:, :, :CTX]) for s in stacks])
+    row = mx.stack([t, t])
+
+    def step(n):
+        outs = []
+        for stack in stacks:
+            stack[:, :, :, CTX + n : CTX + n + 1] = row
+            k, v = views(stack)
+            outs.append(sdpa(q, k[:, :, : CTX + n + 1], v[:, :, : CTX + n + 1]))
+        return outs
+
+    timed("append + sdpa, [2,...] stack", step)
+
+
+def butter_raw(q, t, how: str) -> None:
+    """butter raw's caches, reserved as a generation reserves them, or grown by appends."""
+    caches = make_layer_caches(parse_kv_cache("raw"), [LayerSpec(H, D, ALLOC, mx.bfloat16)] * L)
     if how == "reserve":
-        for c in caches: c.reserve(CTX + 3 + STEPS)
+        for cache in caches:
+            cache.reserve(CTX + 3 + STEPS)
     for start in range(0, CTX, 8192):
         k = fresh((1, H, min(8192, CTX - start), D))
-        for c in caches: c.append(k, k * 0.5)
-        mx.eval([c.state() for c in caches])
-    timed(f"butter raw ({how})", lambda n: [c.update_and_attend(q, t, t, scale=scale) for c in caches])
-    del caches; mx.clear_cache()
+        for cache in caches:
+            cache.append(k, k * 0.5)
+        mx.eval([cache.state() for cache in caches])
+    timed(f"butter raw ({how})", lambda n: [cache.update_and_attend(q, t, t, scale=SCALE) for cache in caches])
+
+
+def main() -> None:
+    q, t = fresh((1, Q, 1, D)), fresh((1, H, 1, D))
+    mx.eval(q, t)
+    for run in (separate, stacked, lambda q, t: butter_raw(q, t, "reserve"), lambda q, t: butter_raw(q, t, "append-grown")):
+        run(q, t)
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
