@@ -102,17 +102,28 @@ class SlotBuffers:
         }
 
     def reserve(self, slots: int, live: int) -> None:
-        """Make at least ``slots`` slots allocated (never more than capacity), keeping the
-        contents of ``[0, live)``: ``slots`` rounded up to a ``GROWTH_STEP``, and when buffers
-        are already allocated, at least ``GROWTH_FACTOR`` times what they hold."""
+        """Make at least ``slots`` slots allocated (at most the capacity in whole steps:
+        ``_whole_steps``), keeping the contents of ``[0, live)``: ``slots`` rounded up to a
+        ``GROWTH_STEP``, and when buffers are already allocated, at least ``GROWTH_FACTOR``
+        times what they hold."""
         if slots <= self.allocated:
             return
         slots = max(slots, math.ceil(self.allocated * GROWTH_FACTOR))
-        grown = self._empty(min(self.capacity, -(-slots // self.step) * self.step))
+        grown = self._empty(min(self._whole_steps(self.capacity), -(-slots // self.step) * self.step))
         if live:
             for key, array in self._storage.items():
                 grown[key][..., :live, :] = array[..., :live, :]
         self._storage = grown
+
+    def _whole_steps(self, slots: int) -> int:
+        """``slots`` rounded up to whole steps; a capacity below one step stays as it is.
+
+        Past the capacity too (by less than a step): MLX's CUDA SDPA decodes one query with
+        cuDNN, several times faster at long contexts than its vector kernel, only over a
+        slice of a buffer whose slot count is a multiple of 256 (mlx-lm's step), so a
+        capacity of 131,144 positions allocates 131,328 slots (docs/benchmarks.md, "Issue 32
+        on an H100"). Writes past the capacity are refused all the same (``SlotCache.write``)."""
+        return slots if slots < self.step else -(-slots // self.step) * self.step
 
     def write(self, start: int, rows: dict[str, mx.array], live: int) -> None:
         """Write ``rows`` (``tokens`` slots each) at ``[start, start + tokens)``: one array per
