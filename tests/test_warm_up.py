@@ -12,7 +12,7 @@ import itertools
 import mlx.core as mx
 import pytest
 
-from butter_core import LoadOptions, parse_kv_cache
+from butter_core import LoadOptions, Window, parse_kv_cache
 from butter_core.engine import Engine
 from butter_core.generation import Generation
 from butter_core.kernels import recorded_builds, standing_in_for_gpu
@@ -70,3 +70,18 @@ def test_warm_up_stays_within_its_context_and_the_caches(tiny_model, raw_scheme)
     model = Model.load(tiny_model(), LoadOptions(kv_cache=parse_kv_cache("raw"), max_context_length=300))
     done = warm_up(model.engine, context=10_000)  # past the caches' 300: bounded by them
     assert done.prompt_tokens == 300 - 3 and done.probe_lengths == ()
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid", "mamba2", "nemotron_h", "qwen3_next"])
+def test_hybrid_families_warm_up_every_layer_type(family_model, raw_scheme, family):
+    model = Model.load(family_model(family), LoadOptions(kv_cache=parse_kv_cache("raw")))
+    context = model.network.args.max_position_embeddings
+    assert warm_up(model.engine).prompt_tokens == min(model.engine.prefill_chunk + 8, context - 3)
+    assert warm_up_batched(model.engine) > 0
+
+
+def test_a_window_is_probed_no_further_than_it_holds(tiny_model, raw_scheme):
+    spec = TinySpec(family="qwen3", max_position_embeddings=20_000)
+    windowed = Model.load(tiny_model(spec), LoadOptions(kv_cache=parse_kv_cache("raw"), kv_eviction=Window(5000, keep=4)))
+    assert warm_up(windowed.engine).probe_lengths == (4096, 5000)
+    assert warm_up_batched(windowed.engine) > 0
