@@ -5,7 +5,9 @@ contiguous array, at 32k on a GPU.
 memory per step (a step that copies a buffer shows its size), for SDPA over live slices of
 separate buffers and of views of a ``[2, ...]`` stack (as ``SlotBuffers`` keeps raw's keys and
 values), with and without slice-assigned appends, and butter raw's own cache, reserved as a
-generation reserves it and grown by appends as ``decode_step.py`` fills it.
+generation reserves it and grown by appends as ``decode_step.py`` fills it. ``ALLOC`` is not
+a multiple of 256, so these buffers take MLX's vector SDPA kernel; separate buffers of whole
+256-slot steps are timed beside them (MLX takes cuDNN there: docs/benchmarks.md, "The fix").
 
 Usage: python3 bench/diag_raw.py   (results: docs/benchmarks.md, "Issue 32 on an H100")
 """
@@ -48,12 +50,13 @@ def sdpa(q, k, v):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE)
 
 
-def separate(q, t) -> None:
-    """mlx-lm's layout: one buffer for keys, one for values."""
-    ks = [fresh((1, H, ALLOC, D)) for _ in range(L)]
+def separate(q, t, alloc: int = ALLOC) -> None:
+    """mlx-lm's layout: one buffer for keys, one for values, of ``alloc`` slots."""
+    ks = [fresh((1, H, alloc, D)) for _ in range(L)]
     vs = [k * 0.5 for k in ks]
     mx.eval(ks, vs)
-    timed("sdpa, slices of separate buffers", lambda n: [sdpa(q, k[:, :, :CTX], v[:, :, :CTX]) for k, v in zip(ks, vs)])
+    timed(f"sdpa, slices of separate buffers of {alloc} slots",
+          lambda n: [sdpa(q, k[:, :, :CTX], v[:, :, :CTX]) for k, v in zip(ks, vs)])  # fmt: skip
 
     def step(n):
         outs = []
@@ -108,7 +111,7 @@ def butter_raw(q, t, how: str) -> None:
 def main() -> None:
     q, t = fresh((1, Q, 1, D)), fresh((1, H, 1, D))
     mx.eval(q, t)
-    for run in (separate, stacked, lambda q, t: butter_raw(q, t, "reserve"), lambda q, t: butter_raw(q, t, "append-grown")):
+    for run in (separate, lambda q, t: separate(q, t, -(-ALLOC // 256) * 256), stacked, lambda q, t: butter_raw(q, t, "reserve"), lambda q, t: butter_raw(q, t, "append-grown")):
         run(q, t)
         mx.clear_cache()
 
