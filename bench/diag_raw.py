@@ -50,8 +50,9 @@ def sdpa(q, k, v):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE)
 
 
-def separate(q, t, alloc: int = ALLOC) -> None:
-    """mlx-lm's layout: one buffer for keys, one for values, of ``alloc`` slots."""
+def separate(q, t, alloc: int | None = None) -> None:
+    """mlx-lm's layout: one buffer for keys, one for values, of ``alloc`` slots (default ``ALLOC``)."""
+    alloc = alloc or ALLOC
     ks = [fresh((1, H, alloc, D)) for _ in range(L)]
     vs = [k * 0.5 for k in ks]
     mx.eval(ks, vs)
