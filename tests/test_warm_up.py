@@ -74,6 +74,8 @@ def test_warm_up_stays_within_its_context_and_the_caches(tiny_model, raw_scheme)
 
 @pytest.mark.parametrize("family", ["granitemoehybrid", "mamba2", "nemotron_h", "qwen3_next"])
 def test_hybrid_families_warm_up_every_layer_type(family_model, raw_scheme, family):
+    if "ssm" not in get_plugin_host().schemes:
+        pytest.skip("needs the ssm state cache scheme (pip install butter-ssm)")
     model = Model.load(family_model(family), LoadOptions(kv_cache=parse_kv_cache("raw")))
     context = model.network.args.max_position_embeddings
     assert warm_up(model.engine).prompt_tokens == min(model.engine.prefill_chunk + 8, context - 3)
