@@ -80,11 +80,15 @@ class Engine:
         self.options = options
         self.prefill_chunk = prefill_chunk
 
+    @property
+    def max_context(self) -> int:
+        """Positions one sequence may hold: ``max_context_length``, or the model's trained context."""
+        return self.options.max_context_length or self.network.args.max_position_embeddings
+
     def layer_specs(self) -> list[LayerSpec | StateSpec]:
-        """What each layer's cache must hold: an attention layer's capacity is ``max_context_length``
+        """What each layer's cache must hold: an attention layer's capacity is ``max_context``
         or the advertised window; a recurrent layer's state is sized by the layer alone."""
-        args = self.network.args
-        return self.network.layer_specs(self.options.max_context_length or args.max_position_embeddings)
+        return self.network.layer_specs(self.max_context)
 
     def make_layer_caches(self) -> list[LayerCache]:
         """One cache per layer, of the scheme configured for its type (``kv_cache`` for attention,

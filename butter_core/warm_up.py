@@ -66,9 +66,8 @@ def warm_up(engine: Engine, context: int | None = None) -> WarmUp:
     capacity) compile, on caches made for it and dropped after. Deterministic (fixed token
     ids, greedy), so every rank of a tensor-parallel group runs it alike."""
     start = time.perf_counter()
-    capacity = _capacity(engine)
-    context = capacity if context is None else min(context, capacity)
-    prompt = max(1, min(engine.prefill_chunk + 8, context - DECODE_STEPS))
+    context = engine.max_context if context is None else min(context, engine.max_context)
+    prompt = _prompt_tokens(engine, context)
     caches = engine.make_layer_caches()
     for _ in Generation(engine, _token_ids(engine, prompt), caches, max_tokens=DECODE_STEPS):
         pass
@@ -83,8 +82,7 @@ def warm_up_batched(engine: Engine, *, page_size: int = PAGE_SIZE) -> float:
     batched caches made for it and dropped after: two sequences, one prompt of a full chunk
     and one short, prefilled together and decoded together. Returns the seconds it took."""
     start = time.perf_counter()
-    capacity = _capacity(engine)
-    long_prompt = max(1, min(engine.prefill_chunk + 8, capacity - DECODE_STEPS))
+    long_prompt = _prompt_tokens(engine, engine.max_context)
     short_prompt = max(1, min(page_size + 3, long_prompt // 2))
     pages = sum(-(-(n + DECODE_STEPS) // page_size) for n in (long_prompt, short_prompt))
     caches = engine.make_batched_caches(pages * page_size, page_size=page_size, max_sequences=2)
@@ -98,10 +96,10 @@ def warm_up_batched(engine: Engine, *, page_size: int = PAGE_SIZE) -> float:
     return time.perf_counter() - start
 
 
-def _capacity(engine: Engine) -> int:
-    """The longest context a cache of ``engine`` holds from the start (unbounded windows: the
-    configured or trained context)."""
-    return engine.options.max_context_length or engine.network.args.max_position_embeddings
+def _prompt_tokens(engine: Engine, context: int) -> int:
+    """A warm-up prompt: one full prefill chunk and a short one, with room left in ``context``
+    for the decode steps."""
+    return max(1, min(engine.prefill_chunk + 8, context - DECODE_STEPS))
 
 
 def _token_ids(engine: Engine, count: int) -> mx.array:

@@ -47,8 +47,7 @@ def capacity_for(model: Model, kv_memory: int, max_sessions: int) -> int:
     if kv_memory < fixed + PAGE_SIZE * per_position:
         raise ConfigError(f"--kv-memory {kv_memory} bytes does not hold one page of {PAGE_SIZE} positions "
                           f"({int(PAGE_SIZE * per_position)} bytes) beside {fixed} bytes of per-sequence state")  # fmt: skip
-    context = model.options.max_context_length or model.network.args.max_position_embeddings
-    positions = min((kv_memory - fixed) // per_position, max_sessions * context)
+    positions = min((kv_memory - fixed) // per_position, max_sessions * model.engine.max_context)
     return int(positions // PAGE_SIZE * PAGE_SIZE)  # whole pages, within the budget
 
 
