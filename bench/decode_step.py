@@ -27,14 +27,16 @@ Wall clock, host included (issue 32's method, docs/benchmarks.md). Kernel-only f
    chunks of 2048 evaluated one by one, then each step's graph built while the previous
    evaluates, ``mx.async_eval``), because ``mlx_lm.generate`` imports transformers.
    Reported: prefill tok/s, decode tok/s (tokens after the first over the time after it),
-   the first decode step's time (the first round of each engine compiles its kernels), and
-   peak memory; medians over rounds.
+   the first and the slowest decode step's time (a step that compiles a kernel shows there),
+   and peak memory; medians over rounds. Before its rounds each engine warms up, as a
+   server does before it listens (unless ``--no-warm-up``): butter with
+   ``butter_core.warm_up`` for the context, mlx-lm (which has none) with a short run.
 
 3. **Latency after load** (``--latency``, instead of 1 and 2): per scheme, ``Model.load`` of a
    Qwen3-1.7B-shaped directory (random bf16 weights, written once to ``--model-dir``), then
-   ``butter_core.warm_up`` (unless ``--no-warm-up``), then a 4096-token prompt and 16 greedy
-   tokens: the warm-up's time, time to the first token, the first decode step, and the
-   median of the steady steps after it. Run it twice with the same
+   ``butter_core.warm_up`` (unless ``--no-warm-up``), then a 4096-token prompt and
+   ``LATENCY_TOKENS`` greedy tokens: the warm-up's time, time to the first token, the first
+   decode step, the median of the steady steps after it, and the slowest step. Run it twice with the same
    ``MLX_PTX_CACHE_DIR`` (first empty) to see what MLX's on-disk kernel cache saves a
    second process.
 
@@ -65,11 +67,17 @@ from butter_core.engine import Engine
 from butter_core.generation import Generation
 from butter_core.layer_caches import make_layer_caches
 from butter_core.loading.weights import build_model
+from butter_core.warm_up import warm_up
 from gpu_batched import mlx_lm_module, pipelined_decode
 from gpu_bench import QWEN3_1_7B
 
-WARMUP_STEPS = 3
+WARMUP_STEPS = 40
+"""Steps before the timed ones: past every scheme's ``warm_up_steps`` (AURA's deferred
+encode first runs at step 33), so no timed step compiles."""
 FILL_CHUNK = 8192
+LATENCY_TOKENS = 48
+"""Tokens of the latency run: past AURA's deferred encode (step 33), which a warm-up that
+stopped short of it would leave to compile mid-generation."""
 SMALL_MODEL = QWEN3_1_7B | {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
                             "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 4096}  # fmt: skip
 
@@ -131,7 +139,9 @@ def layer_paths(args, q_heads: int, kv_heads: int, dim: int):
 
 
 def time_steps(step, q, k, v, steps: int, layers: int) -> dict[str, float]:
-    """Per-layer medians (µs) of ``steps`` decode steps: build, encode, wait and their sum."""
+    """Per-layer medians (µs) of ``steps`` decode steps: build, encode, wait and their sum;
+    and the mean wall (work a cache does every few steps, such as AURA's deferred encode,
+    counts there and hardly in the median)."""
     parts = {"build": [], "encode": [], "wait": [], "wall": []}
     for n in range(WARMUP_STEPS + steps):
         start = time.perf_counter()
@@ -145,14 +155,15 @@ def time_steps(step, q, k, v, steps: int, layers: int) -> dict[str, float]:
             for part, seconds in (("build", built - start), ("encode", encoded - built), ("wait", done - encoded),
                                   ("wall", done - start)):  # fmt: skip
                 parts[part].append(seconds)
-    return {part: 1e6 * statistics.median(values) / layers for part, values in parts.items()}
+    return {part: 1e6 * statistics.median(values) / layers for part, values in parts.items()} | {
+        "mean": 1e6 * statistics.fmean(parts["wall"]) / layers}
 
 
 def layers_section(args, q_heads, kv_heads, dim) -> None:
     print(f"\n## Per layer: {args.layers} layers, {q_heads} q / {kv_heads} kv heads, D {dim}, bf16; "
           f"µs per layer, medians of {args.steps} steps\n")  # fmt: skip
-    print("| context | path | wall | build | encode | wait | wall / butter raw | wall / sdpa |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| context | path | wall | build | encode | wait | mean wall | wall / butter raw | wall / sdpa |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     paths = layer_paths(args, q_heads, kv_heads, dim)
     for context in args.context:
         q = mx.random.normal((1, q_heads, 1, dim)).astype(mx.bfloat16)
@@ -172,11 +183,11 @@ def layers_section(args, q_heads, kv_heads, dim) -> None:
         sdpa = results["mx.fast.sdpa"].get("wall")
         for name, r in results.items():
             if "error" in r:
-                print(f"| {context} | {name} | {r['error']} |||||")
+                print(f"| {context} | {name} | {r['error']} ||||||")
                 continue
             ratio = f"{r['wall'] / raw:.2f}x" if raw else ""
             print(f"| {context} | {name} | {r['wall']:.1f} | {r['build']:.1f} | {r['encode']:.1f} | {r['wait']:.1f} | "
-                  f"{ratio} | {r['wall'] / sdpa:.2f}x |", flush=True)  # fmt: skip
+                  f"{r['mean']:.1f} | {ratio} | {r['wall'] / sdpa:.2f}x |", flush=True)  # fmt: skip
 
 
 def mlx_lm_run(model, prompt: mx.array, decode: int) -> dict:
@@ -196,8 +207,7 @@ def mlx_lm_run(model, prompt: mx.array, decode: int) -> dict:
         return mx.argmax(model(token.reshape(1, 1), cache=caches)[:, -1], axis=-1)
 
     times = pipelined_decode(step, prompt[-1:], decode, start)
-    return {"prefill_tok_s": prompt.size / times[0], "first_step_s": times[1] - times[0],
-            "decode_tok_s": (decode - 1) / (times[-1] - times[0]), "peak_gib": mx.get_peak_memory() / 2**30}  # fmt: skip
+    return run_stats(prompt.size, times) | {"peak_gib": mx.get_peak_memory() / 2**30}
 
 
 def butter_run(network, kind, prompt: mx.array, decode: int) -> dict:
@@ -209,8 +219,21 @@ def butter_run(network, kind, prompt: mx.array, decode: int) -> dict:
     for _ in generation:
         times.append(time.perf_counter() - start)
     peak = generation.stats.peak_memory  # from its start: prefill and decode
-    return {"prefill_tok_s": prompt.size / times[0], "first_step_s": times[1] - times[0],
-            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]), "peak_gib": peak / 2**30}  # fmt: skip
+    return run_stats(prompt.size, times) | {"peak_gib": peak / 2**30}
+
+
+def run_stats(prompt_tokens: int, times: list[float]) -> dict:
+    """A run's rates from the times (since its start) at which each token arrived: prefill
+    tok/s, decode tok/s (tokens after the first over the time after it), its first and its
+    slowest decode step (a step that compiles a kernel shows there)."""
+    steps = [b - a for a, b in zip(times, times[1:])]
+    return {"prefill_tok_s": prompt_tokens / times[0], "first_step_s": steps[0], "slowest_step_s": max(steps),
+            "decode_tok_s": len(steps) / (times[-1] - times[0])}  # fmt: skip
+
+
+def butter_warm_up(network, kind, context: int) -> None:
+    """What ``butter serve`` does before it listens: ``warm_up`` for generations of up to ``context`` positions."""
+    warm_up(Engine(network, LoadOptions(kv_cache=kind, max_context_length=context)))
 
 
 def e2e_section(args, config: dict) -> None:
@@ -223,14 +246,27 @@ def e2e_section(args, config: dict) -> None:
     reference.load_weights(tree_flatten(network.parameters()))
     mx.eval(reference.parameters())
     engines = {"mlx-lm raw": lambda p: mlx_lm_run(reference, p, args.decode_tokens)}
+    # Before timing, what a server does before it listens: mlx-lm has no warm-up, so one short run of its own.
+    warm_ups = {"mlx-lm raw": lambda c: mlx_lm_run(reference, mx.arange(min(4096, c), dtype=mx.uint32), 48)}
     for name in args.kv_cache:
-        engines[f"butter {name}"] = lambda p, kind=parse_kv_cache(name): butter_run(network, kind, p, args.decode_tokens)
+        kind = parse_kv_cache(name)
+        engines[f"butter {name}"] = lambda p, kind=kind: butter_run(network, kind, p, args.decode_tokens)
+        warm_ups[f"butter {name}"] = lambda c, kind=kind: butter_warm_up(network, kind, c + args.decode_tokens + 8)
+    warmed = "no warm-up" if args.no_warm_up else "each engine warmed up first"
     print(f"\n## End to end: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random bf16; "
-          f"{args.decode_tokens} greedy tokens; medians of {args.rounds} rounds (first step: the first round's / the median)\n")  # fmt: skip
-    print("| context | engine | prefill tok/s | decode tok/s | decode / butter raw | decode / mlx-lm raw | first step s | peak GiB |")
-    print("|---:|---|---:|---:|---:|---:|---|---:|")
+          f"{args.decode_tokens} greedy tokens; {warmed}; medians of {args.rounds} rounds (first step: the first "
+          "round's / the median; slowest step: of all rounds)\n")  # fmt: skip
+    print("| context | engine | warm-up s | prefill tok/s | decode tok/s | decode / butter raw | decode / mlx-lm raw "
+          "| first step s | slowest step s | peak GiB |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---|---:|---:|")
     for context in args.e2e_context:
         prompt = mx.random.randint(0, config["vocab_size"], (context,), key=mx.random.key(context)).astype(mx.uint32)
+        warm_seconds = {}
+        for name, warm in ({} if args.no_warm_up else warm_ups).items():
+            start = time.perf_counter()
+            warm(context)
+            warm_seconds[name] = time.perf_counter() - start
+            mx.clear_cache()
         runs = {name: [] for name in engines}
         names = list(engines)
         for round_ in range(args.rounds):
@@ -245,43 +281,44 @@ def e2e_section(args, config: dict) -> None:
         for name, rs in runs.items():
             ok = [r for r in rs if "error" not in r]
             if ok:
-                medians[name] = {key: statistics.median(r[key] for r in ok) for key in ok[0]} | {"first": rs[0].get("first_step_s")}
+                medians[name] = {key: statistics.median(r[key] for r in ok) for key in ok[0]} | {
+                    "first": rs[0].get("first_step_s"), "slowest": max(r["slowest_step_s"] for r in ok)}
         for name, rs in runs.items():
             if name not in medians:
-                print(f"| {context} | {name} | {rs[0]['error']} ||||||")
+                print(f"| {context} | {name} | {rs[0]['error']} ||||||||")
                 continue
             m = medians[name]
             ratio = lambda other: f"{m['decode_tok_s'] / medians[other]['decode_tok_s']:.2f}x" if other in medians else ""  # noqa: E731
             first = f"{m['first']:.3f} / {m['first_step_s']:.3f}" if m["first"] is not None else f"- / {m['first_step_s']:.3f}"
-            print(f"| {context} | {name} | {m['prefill_tok_s']:.0f} | {m['decode_tok_s']:.1f} | {ratio('butter raw')} | "
-                  f"{ratio('mlx-lm raw')} | {first} | {m['peak_gib']:.1f} |", flush=True)  # fmt: skip
+            warm = f"{warm_seconds[name]:.2f}" if name in warm_seconds else "-"
+            print(f"| {context} | {name} | {warm} | {m['prefill_tok_s']:.0f} | {m['decode_tok_s']:.1f} | {ratio('butter raw')} | "
+                  f"{ratio('mlx-lm raw')} | {first} | {m['slowest']:.3f} | {m['peak_gib']:.1f} |", flush=True)  # fmt: skip
 
 
 def latency_section(args) -> None:
     from butter_core.model import Model
-    from butter_core.warm_up import warm_up
     from long_prefill import write_model
 
     if not (args.model_dir / "model.safetensors").exists():
         write_model(args.model_dir, "small" if args.small else "qwen3-1.7b", "bfloat16", 40960)
-    warm = "no warm-up" if args.no_warm_up else "after warm_up(engine, 4096 + 16)"
-    print(f"\n## Latency after Model.load ({warm}): 4096-token prompt, 16 greedy tokens\n")
-    print("| scheme | load s | warm-up s | first token s | first step ms | steady step ms | first / steady |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    warm = "no warm-up" if args.no_warm_up else f"after warm_up(engine, 4096 + {LATENCY_TOKENS})"
+    print(f"\n## Latency after Model.load ({warm}): 4096-token prompt, {LATENCY_TOKENS} greedy tokens\n")
+    print("| scheme | load s | warm-up s | first token s | first step ms | steady step ms | first / steady | slowest step ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.kv_cache:
         start = time.perf_counter()
         model = Model.load(args.model_dir, LoadOptions(kv_cache=parse_kv_cache(name)))
         loaded = time.perf_counter()
-        warmed = loaded if args.no_warm_up else loaded + warm_up(model.engine, 4096 + 16).seconds
+        warmed = loaded if args.no_warm_up else loaded + warm_up(model.engine, 4096 + LATENCY_TOKENS).seconds
         prompt = mx.random.randint(0, model.network.args.vocab_size, (4096,), key=mx.random.key(1)).astype(mx.uint32)
         caches = model.engine.make_layer_caches()
         times = [time.perf_counter()]
-        for _ in Generation(model.engine, prompt, caches, max_tokens=16):
+        for _ in Generation(model.engine, prompt, caches, max_tokens=LATENCY_TOKENS):
             times.append(time.perf_counter())
         steps = [b - a for a, b in zip(times[1:], times[2:])]
         steady = statistics.median(steps[2:])
         print(f"| {name} | {loaded - start:.2f} | {warmed - loaded:.2f} | {times[1] - times[0]:.2f} | {1e3 * steps[0]:.1f} | "
-              f"{1e3 * steady:.1f} | {steps[0] / steady:.1f}x |", flush=True)  # fmt: skip
+              f"{1e3 * steady:.1f} | {steps[0] / steady:.1f}x | {1e3 * max(steps):.1f} |", flush=True)  # fmt: skip
         del model, caches
         mx.clear_cache()
 
@@ -292,14 +329,15 @@ def main() -> None:
     parser.add_argument("--e2e-context", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--kv-cache", type=lambda t: t.split(","), default=["raw", "affine4", "aura4v2"])
     parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--skip-layers", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--small", action="store_true", help="small heads, layers and model: a CPU check of the script")
     parser.add_argument("--latency", action="store_true")
-    parser.add_argument("--no-warm-up", action="store_true", help="--latency without butter_core.warm_up first")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="time without warming up first (butter_core.warm_up, mlx-lm's short run)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/butter-decode-step-model"))
     args = parser.parse_args()
     print(f"MLX {mx.__version__}, {mx.default_device()}, {mx.device_info().get('device_name', '')}, {time.strftime('%Y-%m-%d')}")

@@ -180,6 +180,14 @@ class LayerCache(ABC):
         """Drop the last ``n`` positions; returns how many were dropped (0 where they cannot be:
         a recurrent state, a window that has wrapped; restore a saved ``state()`` instead)."""
 
+    @property
+    def warm_up_steps(self) -> int:
+        """Decode steps after which this cache's decode steps run nothing new: work a cache
+        defers and does every ``n`` steps (a batch of codes written at once) first comes due
+        within them. ``butter_core.warm_up`` decodes at least this many, so that the first
+        such step of a generation compiles nothing."""
+        return 1
+
     def reserve(self, positions: int) -> None:
         """Allocate room for ``positions`` positions in all (at most ``capacity``) now, so that
         appends up to there never grow the storage piece by piece. A hint: a cache without

@@ -11,8 +11,9 @@ A scheme may also choose a kernel variant by a cache's allocation or live length
 which a later, longer request would then compile in its turn.
 
 ``warm_up`` runs, on throwaway caches, what generations up to ``context`` positions run:
-a prompt of one full prefill chunk and a short one, then a few decode steps, through the
-whole model (every layer type's cache), and then, per distinct attention cache, one decode
+a prompt of one full prefill chunk and a short one, then a few decode steps (as many as
+the caches' ``warm_up_steps``: AURA encodes its deferred recent tokens at step 33), through
+the whole model (every layer type's cache), and then, per distinct attention cache, one decode
 step at each probe length (``probe_lengths``: powers of two up to ``context``, and
 ``context``): every allocation a generation can make lies within a factor of two of a
 probe, and a variant chosen by a threshold in the allocation or the live length is met
@@ -35,8 +36,8 @@ from butter_core.generation import Generation
 from butter_core.window import WindowCache
 
 DECODE_STEPS = 3
-"""Tokens a warm-up generates after its prompt: the first decode steps, which build what
-every later step replays."""
+"""Tokens a warm-up generates after its prompt at the least: the first decode steps, which
+build what every later step replays (more where a cache's ``warm_up_steps`` asks)."""
 FIRST_PROBE = 4096
 """The shortest probe length: shorter allocations share the warm-up prompt's kernels."""
 
@@ -47,6 +48,7 @@ class WarmUp:
 
     seconds: float
     prompt_tokens: int
+    decode_steps: int
     probe_lengths: tuple[int, ...]
     """Positions each distinct attention cache was probed at (one decode step each)."""
 
@@ -67,14 +69,15 @@ def warm_up(engine: Engine, context: int | None = None) -> WarmUp:
     ids, greedy), so every rank of a tensor-parallel group runs it alike."""
     start = time.perf_counter()
     context = engine.max_context if context is None else min(context, engine.max_context)
-    prompt = _prompt_tokens(engine, context)
     caches = engine.make_layer_caches()
-    for _ in Generation(engine, _token_ids(engine, prompt), caches, max_tokens=DECODE_STEPS):
+    steps = max(DECODE_STEPS, *(cache.warm_up_steps for cache in caches))
+    prompt = _prompt_tokens(engine, context, steps)
+    for _ in Generation(engine, _token_ids(engine, prompt), caches, max_tokens=steps):
         pass
     del caches
-    lengths = _probe(engine, context, prompt + DECODE_STEPS)
+    lengths = _probe(engine, context, prompt + steps)
     mx.clear_cache()
-    return WarmUp(time.perf_counter() - start, prompt, lengths)
+    return WarmUp(time.perf_counter() - start, prompt, steps, lengths)
 
 
 def warm_up_batched(engine: Engine, *, page_size: int = PAGE_SIZE) -> float:
@@ -82,7 +85,7 @@ def warm_up_batched(engine: Engine, *, page_size: int = PAGE_SIZE) -> float:
     batched caches made for it and dropped after: two sequences, one prompt of a full chunk
     and one short, prefilled together and decoded together. Returns the seconds it took."""
     start = time.perf_counter()
-    long_prompt = _prompt_tokens(engine, engine.max_context)
+    long_prompt = _prompt_tokens(engine, engine.max_context, DECODE_STEPS)
     short_prompt = max(1, min(page_size + 3, long_prompt // 2))
     pages = sum(-(-(n + DECODE_STEPS) // page_size) for n in (long_prompt, short_prompt))
     caches = engine.make_batched_caches(pages * page_size, page_size=page_size, max_sequences=2)
@@ -96,10 +99,10 @@ def warm_up_batched(engine: Engine, *, page_size: int = PAGE_SIZE) -> float:
     return time.perf_counter() - start
 
 
-def _prompt_tokens(engine: Engine, context: int) -> int:
+def _prompt_tokens(engine: Engine, context: int, steps: int) -> int:
     """A warm-up prompt: one full prefill chunk and a short one, with room left in ``context``
-    for the decode steps."""
-    return max(1, min(engine.prefill_chunk + 8, context - DECODE_STEPS))
+    for ``steps`` decode steps."""
+    return max(1, min(engine.prefill_chunk + 8, context - steps))
 
 
 def _token_ids(engine: Engine, count: int) -> mx.array:

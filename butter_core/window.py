@@ -74,6 +74,10 @@ class WindowCache(AttentionCache):
     def capacity(self) -> None:
         return None
 
+    @property
+    def warm_up_steps(self) -> int:
+        return self.inner.warm_up_steps
+
     def append(self, keys, values):
         check_chunk(self.spec, keys, values)
         self._commit(keys, values)

@@ -131,6 +131,12 @@ class AuraCache(BufferedSlotCache):
             self.slots.write(start, rows, live=self.length)
             self._keep_full_precision(start, keys, values, position)
 
+    @property
+    def warm_up_steps(self) -> int:
+        """A decode step defers its token's codes (``store``); the first step whose ring row
+        holds a deferred token encodes the whole ring's at once: step ``ring + 1``."""
+        return self.budget.ring + 1
+
     def _defers(self, start: int, keys: mx.array, position: int) -> bool:
         """Whether ``store`` may leave these rows' codes for later: one token, bound for a
         recent-ring row it takes (the newest position of its row), in the dtype the ring
