@@ -43,7 +43,7 @@ Wall clock, host included (issue 32's method, docs/benchmarks.md). Kernel-only f
 Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
 
     python3 bench/decode_step.py [--context 4096 32768 131072] [--e2e-context 4096 32768]
-        [--kv-cache raw,affine4,aura4v2] [--steps 20] [--rounds 3] [--decode-tokens 64]
+        [--kv-cache raw,affine4,aura4v2] [--steps 64] [--rounds 3] [--decode-tokens 64] [--prefill-chunk 2048 8192]
         [--skip-layers] [--skip-e2e] [--small] [--latency [--no-warm-up] [--model-dir DIR]]
 
 ``--small`` shrinks the heads, layers and model to run on a CPU as a check of the script.
@@ -52,6 +52,7 @@ Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 import traceback
@@ -210,8 +211,8 @@ def mlx_lm_run(model, prompt: mx.array, decode: int) -> dict:
     return run_stats(prompt.size, times) | {"peak_gib": mx.get_peak_memory() / 2**30}
 
 
-def butter_run(network, kind, prompt: mx.array, decode: int) -> dict:
-    engine = Engine(network, LoadOptions(kv_cache=kind, max_context_length=prompt.size + decode + 8))
+def butter_run(network, kind, prompt: mx.array, decode: int, prefill_chunk: int | None = None) -> dict:
+    engine = Engine(network, LoadOptions(kv_cache=kind, max_context_length=prompt.size + decode + 8), prefill_chunk=prefill_chunk)
     caches = engine.make_layer_caches()
     start = time.perf_counter()
     times = []
@@ -231,9 +232,9 @@ def run_stats(prompt_tokens: int, times: list[float]) -> dict:
             "decode_tok_s": len(steps) / (times[-1] - times[0])}  # fmt: skip
 
 
-def butter_warm_up(network, kind, context: int) -> None:
+def butter_warm_up(network, kind, context: int, prefill_chunk: int | None = None) -> None:
     """What ``butter serve`` does before it listens: ``warm_up`` for generations of up to ``context`` positions."""
-    warm_up(Engine(network, LoadOptions(kv_cache=kind, max_context_length=context)))
+    warm_up(Engine(network, LoadOptions(kv_cache=kind, max_context_length=context), prefill_chunk=prefill_chunk))
 
 
 def e2e_section(args, config: dict) -> None:
@@ -248,17 +249,17 @@ def e2e_section(args, config: dict) -> None:
     engines = {"mlx-lm raw": lambda p: mlx_lm_run(reference, p, args.decode_tokens)}
     # Before timing, what a server does before it listens: mlx-lm has no warm-up, so one short run of its own.
     warm_ups = {"mlx-lm raw": lambda c: mlx_lm_run(reference, mx.arange(min(4096, c), dtype=mx.uint32), 48)}
-    for name in args.kv_cache:
-        kind = parse_kv_cache(name)
-        engines[f"butter {name}"] = lambda p, kind=kind: butter_run(network, kind, p, args.decode_tokens)
-        warm_ups[f"butter {name}"] = lambda c, kind=kind: butter_warm_up(network, kind, c + args.decode_tokens + 8)
+    for name, chunk in itertools.product(args.kv_cache, args.prefill_chunk or [None]):
+        kind, label = parse_kv_cache(name), f"butter {name}" + (f" @{chunk}" if chunk else "")
+        engines[label] = lambda p, kind=kind, chunk=chunk: butter_run(network, kind, p, args.decode_tokens, chunk)
+        warm_ups[label] = lambda c, kind=kind, chunk=chunk: butter_warm_up(network, kind, c + args.decode_tokens + 8, chunk)
     warmed = "no warm-up" if args.no_warm_up else "each engine warmed up first"
     print(f"\n## End to end: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random bf16; "
           f"{args.decode_tokens} greedy tokens; {warmed}; medians of {args.rounds} rounds (first step: the first "
           "round's / the median; slowest step: of all rounds)\n")  # fmt: skip
-    print("| context | engine | warm-up s | prefill tok/s | decode tok/s | decode / butter raw | decode / mlx-lm raw "
-          "| first step s | slowest step s | peak GiB |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("| context | engine | warm-up s | prefill tok/s | prefill / mlx-lm | decode tok/s | decode / butter raw "
+          "| decode / mlx-lm raw | first step s | slowest step s | peak GiB |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for context in args.e2e_context:
         prompt = mx.random.randint(0, config["vocab_size"], (context,), key=mx.random.key(context)).astype(mx.uint32)
         warm_seconds = {}
@@ -285,13 +286,14 @@ def e2e_section(args, config: dict) -> None:
                     "first": rs[0].get("first_step_s"), "slowest": max(r["slowest_step_s"] for r in ok)}
         for name, rs in runs.items():
             if name not in medians:
-                print(f"| {context} | {name} | {rs[0]['error']} ||||||||")
+                print(f"| {context} | {name} | {rs[0]['error']} |||||||||")
                 continue
             m = medians[name]
-            ratio = lambda other: f"{m['decode_tok_s'] / medians[other]['decode_tok_s']:.2f}x" if other in medians else ""  # noqa: E731
+            ratio = lambda other, rate="decode_tok_s": f"{m[rate] / medians[other][rate]:.2f}x" if other in medians else ""  # noqa: E731
             first = f"{m['first']:.3f} / {m['first_step_s']:.3f}" if m["first"] is not None else f"- / {m['first_step_s']:.3f}"
             warm = f"{warm_seconds[name]:.2f}" if name in warm_seconds else "-"
-            print(f"| {context} | {name} | {warm} | {m['prefill_tok_s']:.0f} | {m['decode_tok_s']:.1f} | {ratio('butter raw')} | "
+            print(f"| {context} | {name} | {warm} | {m['prefill_tok_s']:.0f} | {ratio('mlx-lm raw', 'prefill_tok_s')} | "
+                  f"{m['decode_tok_s']:.1f} | {ratio('butter raw')} | "
                   f"{ratio('mlx-lm raw')} | {first} | {m['slowest']:.3f} | {m['peak_gib']:.1f} |", flush=True)  # fmt: skip
 
 
@@ -332,6 +334,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--prefill-chunk", type=int, nargs="+",
+                        help="end to end, each butter scheme at each of these prefill chunks (default: the engine's)")
     parser.add_argument("--skip-layers", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--small", action="store_true", help="small heads, layers and model: a CPU check of the script")

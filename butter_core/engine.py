@@ -26,7 +26,7 @@ from butter_core.batched import PAGE_SIZE, BatchedCaches, SequenceHandle
 from butter_core.cache import LayerCache, LayerSpec
 from butter_core.config import LoadOptions, Window
 from butter_core.errors import ButterError, ConfigError
-from butter_core.kernels.backend import default_device_is_gpu
+from butter_core.kernels.backend import default_device_is_gpu, gpu_backend, gpu_memory
 from butter_core.layer_caches import kv_cache_kind, layer_kinds, make_layer_caches, tighter
 from butter_core.models import DecoderModel
 from butter_core.recurrent import StateCache, StateSpec
@@ -39,11 +39,26 @@ PREFILL_CHUNK = {"cpu": 512, "gpu": 2048}
 Qwen3-1.7B-shaped model prefills 32k tokens 2.6x faster in chunks of 2048 than of 512, at
 11-32% more peak memory (docs/benchmarks.md); on a small CPU a 512-token chunk's attention
 temporaries are what fits."""
+LARGE_PREFILL_CHUNK = 8192
+"""The prefill chunk on a CUDA GPU of ``LARGE_PREFILL_MEMORY`` or more. Each chunk of a
+compressed scheme decodes every position before it once (``BufferedSlotCache.load``), so
+fewer, longer chunks do less of that, and every scheme launches fewer kernels. On an H100
+(Qwen3-1.7B-shaped, 4k-128k) every scheme prefills at 1.14-1.8x mlx-lm's default of 2048,
+against 0.83-1.24x at 2048, for 1-6 GiB more peak memory (docs/benchmarks.md, "Prefill
+chunk by device"). Metal keeps 2048: not measured there."""
+LARGE_PREFILL_MEMORY = 64 * 2**30
+"""Device memory (``kernels.backend.gpu_memory``) from which a CUDA GPU takes
+``LARGE_PREFILL_CHUNK``: there its extra working set is a few percent of the memory."""
 
 
 def default_prefill_chunk() -> int:
-    """``PREFILL_CHUNK`` for MLX's default device."""
-    return PREFILL_CHUNK["gpu" if default_device_is_gpu() else "cpu"]
+    """``PREFILL_CHUNK`` for MLX's default device; ``LARGE_PREFILL_CHUNK`` on a CUDA GPU of
+    ``LARGE_PREFILL_MEMORY`` or more."""
+    if not default_device_is_gpu():
+        return PREFILL_CHUNK["cpu"]
+    if gpu_backend() == "cuda" and (gpu_memory() or 0) >= LARGE_PREFILL_MEMORY:
+        return LARGE_PREFILL_CHUNK
+    return PREFILL_CHUNK["gpu"]
 
 TokenIds = Sequence[int] | mx.array
 

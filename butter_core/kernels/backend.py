@@ -41,6 +41,14 @@ _GPU_DEFAULT: contextvars.ContextVar[bool] = contextvars.ContextVar("butter_gpu_
 """Set only inside ``standing_in_for_gpu``: ``default_device_is_gpu`` answers True."""
 
 
+def gpu_memory() -> int | None:
+    """Bytes of memory MLX reports for its GPU (``memory_size`` on Metal, ``total_memory`` on
+    CUDA), or None where it reports none (a CPU-only build)."""
+    info = mx.device_info()
+    memory = info.get("memory_size", info.get("total_memory"))
+    return None if memory is None else int(memory)
+
+
 def default_device_is_gpu() -> bool:
     """Whether MLX's default device is a GPU, i.e. ordinary mx ops run there (inside
     ``standing_in_for_gpu``: True)."""

@@ -12,12 +12,12 @@ import os
 import signal
 import sys
 
-import mlx.core as mx
 import uvicorn
 
 from butter_core.batched import PAGE_SIZE
 from butter_core.distributed import world
 from butter_core.errors import ConfigError
+from butter_core.kernels.backend import default_device_is_gpu, gpu_memory
 from butter_core.model import Model
 from butter_core.serving.openai_api import make_app
 from butter_core.serving.scheduler import Scheduler
@@ -31,10 +31,8 @@ PREFIX_CACHE_FRACTION = 0.25
 
 def device_memory() -> int:
     """Bytes of memory the default device has: MLX's figure for a GPU, the machine's RAM otherwise."""
-    info = mx.device_info()
-    if "memory_size" in info:
-        return int(info["memory_size"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = gpu_memory() if default_device_is_gpu() else None
+    return memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def capacity_for(model: Model, kv_memory: int, max_sessions: int) -> int:
