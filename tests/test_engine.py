@@ -5,11 +5,21 @@ import numpy as np
 import pytest
 
 from butter_core.config import LoadOptions, Window
-from butter_core.engine import ContextLengthError, Engine, PositionError, TokenIdError
+from butter_core.engine import (
+    LARGE_PREFILL_CHUNK,
+    PREFILL_CHUNK,
+    ContextLengthError,
+    Engine,
+    PositionError,
+    TokenIdError,
+    default_prefill_chunk,
+)
 from butter_core.errors import ConfigError
 from butter_core.generation import Generation
+from butter_core.kernels import recorded_builds, standing_in_for_gpu
 from butter_core.model import Model
 from butter_core.sampling import Sampler
+from butter_core.serving.server import device_memory
 from butter_core.testing.recompute import greedy_recompute
 from butter_core.testing.tiny_models import TinySpec
 
@@ -208,3 +218,18 @@ def test_prefill_reports_progress_after_each_chunk_but_the_last(model):
     seen = []
     mx.eval(engine.forward(list(range(10)), engine.make_layer_caches(), progress=lambda *done: seen.append(done)))
     assert seen == [(4, 10), (8, 10)]
+
+
+@pytest.mark.parametrize(("backend", "info", "chunk"), [
+    ("cuda", {}, PREFILL_CHUNK["gpu"]),  # no memory reported
+    ("cuda", {"total_memory": 80 * 2**30}, LARGE_PREFILL_CHUNK),
+    ("cuda", {"total_memory": 24 * 2**30}, PREFILL_CHUNK["gpu"]),
+    ("metal", {"memory_size": 128 * 2**30}, PREFILL_CHUNK["gpu"]),  # not measured on Metal: mlx-lm's 2048
+])  # fmt: skip
+def test_default_prefill_chunk_by_device_and_memory(monkeypatch, backend, info, chunk):
+    assert default_prefill_chunk() == PREFILL_CHUNK["cpu"]
+    monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "a GPU", **info})
+    with standing_in_for_gpu(), recorded_builds(backend):
+        assert default_prefill_chunk() == chunk
+        if info:  # butter serve's default --kv-memory is a share of the GPU's memory, not the host's
+            assert device_memory() == next(iter(info.values()))
