@@ -12,7 +12,8 @@ weights (``long_prefill.write_model``) and the tokenizer of ``--tokenizer`` (def
 built-in model's), written once to ``--random-dir``: what a GPU machine without a registry
 can serve. Butter engines use ``--kv-cache`` (default raw) and ``--kv-memory`` bytes of pages. With ``--system-words N`` every request starts with the
 same system message of N words (a shared prefix: what the prefix cache reuses; the engine
-``butter-noprefix`` is butter with ``--prefix-cache-bytes 0``). Reported per engine: requests per second
+``butter-noprefix`` is butter with ``--prefix-cache-bytes 0``; ``butter@N`` is butter with
+``--prefill-chunk N``). Reported per engine: requests per second
 (completed streams over the wall time of the whole run), time to first token p50/p99,
 aggregate streamed tokens per second, the share of prompt tokens the server reports as cached
 (``usage.prompt_tokens_details.cached_tokens``), peak resident memory of the server process, and errors.
@@ -86,8 +87,11 @@ def start(engine: str, model: str, port: int, args) -> subprocess.Popen:
         argv = [sys.executable, "-c", "import sys; from butter_core.cli import main; sys.exit(main())", "serve",
                 "-m", model, "--port", str(port), "--max-sessions", str(args.max_sessions), "--max-queue", "256",
                 "--kv-memory", str(args.kv_memory), "--kv-cache", args.kv_cache]  # fmt: skip
-        if engine == "butter-noprefix":
+        name, _, chunk = engine.partition("@")
+        if name == "butter-noprefix":
             argv += ["--prefix-cache-bytes", "0"]
+        if chunk:
+            argv += ["--prefill-chunk", chunk]
     else:
         argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]  # its defaults
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -134,7 +134,7 @@ def _check_kind(instance, attribute, value):
 
 @attrs.frozen
 class LoadOptions:
-    """What ``Model.load`` needs beyond the model: cache schemes, eviction, context cap.
+    """What ``Model.load`` needs beyond the model: cache schemes, eviction, context cap, prefill chunk.
 
     ``kv_cache`` is the scheme of attention layers (None: ``DEFAULT_KV_CACHE``) and
     ``kv_eviction`` bounds them; ``state_cache`` is the scheme of recurrent layers (Mamba2,
@@ -147,6 +147,9 @@ class LoadOptions:
     kv_eviction: Eviction | None = attrs.field(default=None)
     max_context_length: int | None = attrs.field(default=None, validator=positive("max_context_length"))
     state_cache: CacheKind | None = attrs.field(default=None, converter=parsed_kind, validator=_check_kind)
+    prefill_chunk: int | None = attrs.field(default=None, validator=positive("prefill_chunk"))
+    """Prompt tokens per forward pass during prefill (None: ``engine.default_prefill_chunk()``,
+    chosen by the device and its memory)."""
 
     @kv_eviction.validator
     def _check_eviction(self, attribute, value):

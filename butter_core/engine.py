@@ -88,7 +88,10 @@ class Engine:
     """Runs a ``DecoderModel`` over per-layer KV caches."""
 
     def __init__(self, network: DecoderModel, options: LoadOptions, *, prefill_chunk: int | None = None):
-        prefill_chunk = default_prefill_chunk() if prefill_chunk is None else prefill_chunk
+        """``prefill_chunk`` (default: ``options.prefill_chunk``, else ``default_prefill_chunk()``)
+        is the prompt tokens each prefill forward pass takes."""
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk() if options.prefill_chunk is None else options.prefill_chunk
         if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
             raise ConfigError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         self.network = network

@@ -71,7 +71,8 @@ def test_bad_flags_exit_2_with_one_line(capsys, model_path, flags, message):
     assert err.count("\n") == 1 and err.startswith("butter generate: error: ") and message in err
 
 
-@pytest.mark.parametrize("flags", [["--max-tokens", "0"], ["--kv-window-size", "x"], ["--seed", "1.5"], []])
+@pytest.mark.parametrize("flags", [["--max-tokens", "0"], ["--kv-window-size", "x"], ["--seed", "1.5"],
+                                   ["--prefill-chunk", "0"], []])  # fmt: skip
 def test_argparse_errors_exit_2(capsys, model_path, flags):
     argv = ["generate", "-m", model_path, *flags] + (["-p", "hi"] if flags else [])
     with pytest.raises(SystemExit) as info:
@@ -102,6 +103,18 @@ def test_max_context_beyond_the_trained_positions_warns_in_one_line(capsys, mode
         "was trained on (max_position_embeddings): output degrades past position 512"
     )
     assert summary.startswith("prompt:")
+
+
+def test_prefill_chunk_sets_the_tokens_of_each_prefill_pass_and_changes_no_token(capsys, model_path, monkeypatch):
+    monkeypatch.setattr("butter_core.cli.generate_cmd.PROGRESS_DELAY", 0.0)
+    argv = ["generate", "-m", model_path, "-p", "the " * 1100, "--max-tokens", "4", "--max-context", "1200"]
+    code, default_out, _ = run(capsys, *argv)
+    assert code == 0
+    code, out, err = run(capsys, *argv, "--prefill-chunk", "400")
+    assert code == 0 and out == default_out
+    bars = [line for line in err.splitlines() if line.startswith("prefill [")]
+    assert bars == ["prefill [#######-------------] 400/1102 tokens", "prefill [##############------] 800/1102 tokens",
+                    "prefill [####################] 1102/1102 done"]  # fmt: skip
 
 
 def test_a_long_prefill_shows_its_progress_on_stderr(capsys, model_path, monkeypatch):

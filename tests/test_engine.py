@@ -233,3 +233,12 @@ def test_default_prefill_chunk_by_device_and_memory(monkeypatch, backend, info, 
         assert default_prefill_chunk() == chunk
         if info:  # butter serve's default --kv-memory is a share of the GPU's memory, not the host's
             assert device_memory() == next(iter(info.values()))
+
+
+@pytest.mark.usefixtures("raw_scheme")
+def test_load_options_prefill_chunk_reaches_the_engine(tiny_model):
+    model = Model.load(str(tiny_model(TinySpec())), LoadOptions(prefill_chunk=64))
+    assert model.engine.prefill_chunk == 64
+    assert Engine(model.network, model.options, prefill_chunk=8).prefill_chunk == 8  # the argument wins
+    with pytest.raises(ConfigError, match=r"LoadOptions.prefill_chunk must be a positive integer, got 0"):
+        LoadOptions(prefill_chunk=0)

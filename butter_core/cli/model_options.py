@@ -1,7 +1,7 @@
 """Flags shared by the commands that load a model, and turning them into ``LoadOptions``.
 
-``-m/--model``, ``--kv-cache``, ``--state-cache``, ``--kv-window-size``/``--kv-window-keep``
-and ``--max-context``. Every invalid value raises a ``ButterError`` naming its flag, which
+``-m/--model``, ``--kv-cache``, ``--state-cache``, ``--kv-window-size``/``--kv-window-keep``,
+``--max-context`` and ``--prefill-chunk``. Every invalid value raises a ``ButterError`` naming its flag, which
 ``butter_core.cli.main`` reports in one line with exit code 2.
 """
 
@@ -66,6 +66,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-window-size", type=positive_int, metavar="N", help="sliding-window eviction: keep at most N positions per layer")
     parser.add_argument("--kv-window-keep", type=non_negative_int, metavar="K", help="sink positions the window never evicts (default 4)")
     parser.add_argument("--max-context", type=positive_int, metavar="N", help="cap full-attention layers' cache at N positions")
+    parser.add_argument("--prefill-chunk", type=positive_int, metavar="N",
+                        help="prompt tokens per forward pass during prefill (default: 8192 on a CUDA GPU of 64 GiB "
+                             "or more, 2048 on other GPUs, 512 on a CPU)")  # fmt: skip
 
 
 def load_options(args: argparse.Namespace) -> LoadOptions:
@@ -82,7 +85,8 @@ def load_options(args: argparse.Namespace) -> LoadOptions:
         except ConfigError as exc:
             raise ConfigError(f"--kv-window-size/--kv-window-keep: {exc}") from exc
     state = None if args.state_cache is None else _state_cache(args.state_cache)
-    return LoadOptions(kv_cache=kind, kv_eviction=eviction, max_context_length=args.max_context, state_cache=state)
+    return LoadOptions(kv_cache=kind, kv_eviction=eviction, max_context_length=args.max_context, state_cache=state,
+                       prefill_chunk=args.prefill_chunk)  # fmt: skip
 
 
 def _state_cache(text: str):
