@@ -5,7 +5,7 @@ For each ``--kv-cache`` scheme: a Qwen3-1.7B-shaped model (random bf16 weights, 
 through ``Engine.run`` (the engine's prefill chunks), then times ``--steps`` decode steps
 one at a time: ``build`` (``engine.run`` for one token + argmax, on the host), ``wait``
 (``mx.eval`` after it). Then, on the same caches, every layer's attention alone
-(``update_and_attend`` with the model's 16 query heads, all layers built and evaluated as
+(``update_and_attend`` with the model's query heads, all layers built and evaluated as
 one step), and the same on fresh caches filled by ``append`` (``decode_step.py``'s per-layer
 method): a gap between the two says the prefilled caches decode differently.
 
@@ -34,9 +34,9 @@ def median_ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
-def attention_step_ms(caches, steps: int) -> float:
+def attention_step_ms(caches, q_heads: int, steps: int) -> float:
     spec = caches[0].spec
-    q = mx.random.normal((1, 16, 1, spec.head_dim)).astype(mx.bfloat16)
+    q = mx.random.normal((1, q_heads, 1, spec.head_dim)).astype(mx.bfloat16)
     k = mx.random.normal((1, spec.n_kv_heads, 1, spec.head_dim)).astype(mx.bfloat16)
     times = []
     for _ in range(steps):
@@ -81,7 +81,7 @@ def main() -> None:
             mx.eval(token)
             done = time.perf_counter()
             build.append(built - start), wait.append(done - built), whole.append(done - start)
-        prefilled = attention_step_ms(caches, args.steps)
+        prefilled = attention_step_ms(caches, config["num_attention_heads"], args.steps)
         del caches
         mx.clear_cache()
         fresh = make_layer_caches(parse_kv_cache(name), engine.layer_specs())
@@ -90,7 +90,7 @@ def main() -> None:
             for cache in fresh:
                 cache.append(rows[:, :, : args.context - start], rows[:, :, : args.context - start])
             mx.eval([cache.state() for cache in fresh])
-        appended = attention_step_ms(fresh, args.steps)
+        appended = attention_step_ms(fresh, config["num_attention_heads"], args.steps)
         del fresh
         mx.clear_cache()
         print(f"| {name} | {prefill:.2f} | {peak:.1f} | {median_ms(build):.2f} | {median_ms(wait):.2f} | {median_ms(whole):.2f} | "

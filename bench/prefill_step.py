@@ -89,7 +89,7 @@ def paths(args, offset: int, queries: mx.array, keys: mx.array, values: mx.array
                lambda: [c.trim(args.chunk) for c in layers])  # fmt: skip
         yield f"  {name}: encode", lambda: [c.encode(keys, values) for c in layers], lambda: None
         yield f"  {name}: load", lambda: [c.load(offset) for c in layers], lambda: None
-        past = [c.load(offset) for c in layers[:1]][0]
+        past = layers[0].load(offset)
         whole_k, whole_v = mx.concatenate([past[0], keys], axis=2), mx.concatenate([past[1], values], axis=2)
         mx.eval(whole_k, whole_v)
         yield (f"  {name}: sdpa", lambda: [mx.fast.scaled_dot_product_attention(queries, whole_k, whole_v, scale=SCALE,
