@@ -37,8 +37,9 @@ Wall clock, host included (issue 32's method, docs/benchmarks.md). Kernel-only f
    ``butter_core.warm_up`` (unless ``--no-warm-up``), then a 4096-token prompt and
    ``LATENCY_TOKENS`` greedy tokens: the warm-up's time, time to the first token, the first
    decode step, the median of the steady steps after it, and the slowest step. Run it twice with the same
-   ``MLX_PTX_CACHE_DIR`` (first empty) to see what MLX's on-disk kernel cache saves a
-   second process.
+   ``MLX_PTX_CACHE_DIR`` and ``BUTTER_CACHE_DIR`` (first empty) to see what kernels compiled
+   once per install (``BUTTER_CUDA_BINARIES=1``: ``butter_core.kernels.cuda_binaries``)
+   save a second process, against MLX's own per-process JIT (the default).
 
 Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
 
@@ -345,6 +346,11 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/butter-decode-step-model"))
     args = parser.parse_args()
     print(f"MLX {mx.__version__}, {mx.default_device()}, {mx.device_info().get('device_name', '')}, {time.strftime('%Y-%m-%d')}")
+    if mx.cuda.is_available():
+        from butter_core.kernels import cuda_binaries
+
+        print("butter's CUDA kernels:", "compiled once per install (cuda_binaries)" if cuda_binaries.available()
+              else "compiled in each process (mx.fast.cuda_kernel)")
     if args.latency:
         return latency_section(args)
     if not args.skip_layers:

@@ -9,7 +9,9 @@ compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugin
 1. A one-line kernel with a header of 0, 8, 32 and 64 KB of comment: host time to build
    a call (``build``: the Python call that returns its output) and to evaluate it
    (``eval``: 400 calls evaluated together, per call), medians of ``gpu_timing.REPEATS``
-   rounds (``gpu_timing.amortised``).
+   rounds (``gpu_timing.amortised``); as ``mx.fast.cuda_kernel`` and as a butter ``Kernel``
+   (through MLX's JIT, or with ``BUTTER_CUDA_BINARIES=1`` a binary compiled once per
+   install, ``cuda_binaries``).
 2. A decode step's attention through butter-aura's and butter-affine's kernels (bf16, 16
    query / 8 KV heads, head_dim 128, 4k keys), built and evaluated the same way, against
    MLX's SDPA on raw bf16 of the same shape; each scheme's both as a call built anew and
@@ -33,6 +35,7 @@ from butter_affine.kernels.decode import make_inputs as affine_inputs
 from butter_affine.packing import BUFFERS, stack
 from butter_aura.kernels import attention
 from butter_aura.kernels.checks import make_split_inputs
+from butter_core.kernels import Kernel, cuda_binaries
 from butter_core.kernels import kernel as kernel_module
 from butter_core.kernels.dialect import kernel_header, kernel_source
 from gpu_timing import amortised
@@ -49,15 +52,23 @@ def per_call_us(call: Callable[[], mx.array], calls: int = 400) -> tuple[float, 
 
 def header_sizes() -> None:
     x = mx.ones((1024,), mx.float32)
-    print("| header | build µs/call | eval µs/call |\n|---:|---:|---:|")
+    binaries = "binary compiled once per install" if cuda_binaries.available() else "MLX JIT"
+    print("| header | call | build µs/call | eval µs/call |\n|---:|---|---:|---:|")
     for kb in (0, 8, 32, 64):
         line = "// " + "x" * 77 + "\n"
+        padding = line * (kb * 1024 // len(line))
         kernel = mx.fast.cuda_kernel(name=f"host_cost_{kb}", input_names=["inp"], output_names=["out"],
-                                     source="out[threadIdx.x] = inp[threadIdx.x] + 1.0f;",
-                                     header=line * (kb * 1024 // len(line)))
-        build, ev = per_call_us(lambda: kernel(inputs=[x], output_shapes=[(32,)], output_dtypes=[mx.float32],
-                                               grid=(32, 1, 1), threadgroup=(32, 1, 1))[0])
-        print(f"| {kb} KB | {build:.1f} | {ev:.1f} |")
+                                     source="out[threadIdx.x] = inp[threadIdx.x] + 1.0f;", header=padding)
+        ours = Kernel(f"host_cost_butter_{kb}", ["inp"], ["out"], "  out[thread_idx.x] = inp[thread_idx.x] + 1.0f;\n",
+                      helpers=padding)
+        calls = {"mx.fast.cuda_kernel": lambda: kernel(inputs=[x], output_shapes=[(32,)], output_dtypes=[mx.float32],
+                                                        grid=(32, 1, 1), threadgroup=(32, 1, 1))[0],
+                 f"butter Kernel ({binaries})": lambda: ours(inputs=[x], output_shapes=[(32,)],
+                                                              output_dtypes=[mx.float32], grid=(32, 1, 1),
+                                                              threadgroup=(32, 1, 1))[0]}
+        for name, call in calls.items():
+            build, ev = per_call_us(call)
+            print(f"| {kb} KB | {name} | {build:.1f} | {ev:.1f} |")
 
 
 def source_sizes() -> None:

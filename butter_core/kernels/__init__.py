@@ -13,7 +13,11 @@
   execution model, against their references (needs g++ 12+).
 - ``cuda_emulator``: the same for kernels' CUDA builds, the tensor-core vocabulary's PTX
   replaced by software, so kernels only a CUDA GPU runs are checked on any machine.
-- ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference.
+- ``cuda_binaries``: opt-in (``BUTTER_CUDA_BINARIES=1``): CUDA builds compiled once per
+  install with NVRTC and run through ``mx.fast.precompiled_cuda_kernel``;
+  ``cuda_compile_check`` compiles a scheme's builds that way without a GPU.
+- ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference;
+  ``recorded_check_builds``, the builds its cases make on a backend.
 - ``split_k``: the split-K (flash-decoding) helpers, launch plan and merge kernel that
   every fused single-query attention kernel shares.
 - ``params``: ``kernel_params``, a kernel's per-call parameters (a live length, a scale)

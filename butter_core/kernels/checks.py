@@ -7,7 +7,7 @@ same inputs (with poisoned kernel outputs) and compare.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from butter_core.kernels.backend import BACKENDS, Backend, tensor_cores_available
-from butter_core.kernels.kernel import poisoned_outputs
+from butter_core.kernels.kernel import Build, poisoned_outputs, recorded_builds
 
 Inputs = dict[str, Any]
 
@@ -105,6 +105,21 @@ class KernelCheck:
             relative_error=relative_error(out, ref),
             tolerance=self.rtol[ref.dtype],
         )
+
+
+def recorded_check_builds(checks: Iterable[KernelCheck], backend: Backend) -> list[Build]:
+    """Every build the cases of ``checks`` built for ``backend`` make, in order, repeats
+    included: each case's inputs made and its kernel called under ``recorded_builds(backend)``
+    (nothing runs). A kernel a case calls that cannot be built there raises, as it would there."""
+    builds: list[Build] = []
+    for check in checks:
+        if backend not in check.backends:
+            continue
+        for case in check.cases:
+            with recorded_builds(backend) as recorded:
+                check.kernel(**check.make_inputs(0, **case))
+            builds += recorded
+    return builds
 
 
 def scattered_pages(rng: np.random.Generator, lengths: Sequence[int], page_size: int) -> tuple[np.ndarray, list[np.ndarray], int]:

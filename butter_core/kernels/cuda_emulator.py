@@ -32,19 +32,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from butter_core.kernels.cuda_binaries import CUDA_TYPES
 from butter_core.kernels.dialect import MMA_HEADER, SHUFFLED_MMA, compact
 from butter_core.kernels.kernel import Launch, executed_by
 from butter_core.kernels.metal_check import template_declarations
 from butter_core.kernels.metal_emulator import check_scheme, execute, kernel_parameters, main_source
 
 HEADER = Path(__file__).with_name("cuda_emulator.h")
-
-CUDA_TYPES = {
-    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.bool_: "bool",
-    mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t", mx.uint8: "uint8_t",
-    mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
-}
-"""The CUDA type of each dtype, as MLX's CUDA kernels declare it."""
 
 SOFTWARE_MMA = r"""
 // ---- tensor-core vocabulary (emulated: the per-lane contract in plain C++) ----

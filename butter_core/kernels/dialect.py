@@ -114,10 +114,12 @@ What MLX generates (read from MLX's custom-kernel sources, mlx 0.32):
   ``cuda::std::array<int32_t|int64_t, 10>``; dtypes map to ``float``, ``__half``,
   ``__nv_bfloat16``. MLX's own header defines the macro ``inf`` (so never use ``inf`` as a
   name); there is no ``uint`` type. It compiles with NVRTC, C++17, functions device by
-  default. MLX keys the compiled kernel by name and template values only (in the process
-  and in its on-disk cache); ``Kernel`` adds a template value ``BT_BUILD`` digesting the
-  source and the inputs' and outputs' dtypes (``kernel.BUILD_KEY``), so never name
-  anything ``BT_BUILD``.
+  default. With ``BUTTER_CUDA_BINARIES=1`` ``Kernel`` instead renders a CUDA build itself
+  (``cuda_binaries``: the same body, template constants and ``<name>_shape`` locals, under
+  an ``extern "C"`` signature of its own, without MLX's header), compiles it once per
+  install and runs it through ``mx.fast.precompiled_cuda_kernel``. Through MLX's
+  JIT ``Kernel`` adds a template value ``BT_BUILD`` digesting the source and the inputs' and
+  outputs' dtypes (``kernel.BUILD_KEY``), so never name anything ``BT_BUILD``.
 - On both, ``*_shape``/``*_strides``/``*_ndim`` are passed only when the source mentions
   them; grid is the total number of threads (MLX divides by the threadgroup on CUDA).
 """

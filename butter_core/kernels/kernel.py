@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import mlx.core as mx
 
+from butter_core.kernels import cuda_binaries
 from butter_core.kernels.backend import _STANDING_IN, Backend, gpu_backend, tensor_core_shortfall
 from butter_core.kernels.dialect import kernel_header, kernel_source
 
@@ -24,12 +26,10 @@ _EXECUTOR: contextvars.ContextVar[Executor | None] = contextvars.ContextVar("but
 _DEFINED: dict[str, tuple[str, str, bool]] = {}
 
 BUILD_KEY = "BT_BUILD"
-"""The template value ``Kernel`` adds to every CUDA call: MLX keys a compiled CUDA kernel
-by its name and template values only, in the process and in its on-disk cache
-(``MLX_PTX_CACHE_DIR``, by default under the temporary directory, kept across processes),
-neither of which sees the source or the inputs' dtypes. Without this key a kernel whose
-source changed (a new butter release) would keep running the old binary from that cache,
-and a call at new input dtypes would reuse the binary built for the old ones."""
+"""The template value ``Kernel`` adds to every call it makes through ``mx.fast.cuda_kernel``
+(where ``cuda_binaries`` is not available): MLX names the function it compiles by the
+kernel's name and template values only, so a call at new input dtypes, or a changed
+source under an old name, could otherwise meet a binary built for another."""
 
 
 def build_key(source: str, input_dtypes: Sequence[mx.Dtype], output_dtypes: Sequence[mx.Dtype]) -> int:
@@ -126,8 +126,10 @@ class Kernel:
     ``output_names``); ``helpers`` is extra header code (device functions, written with
     ``BT_FUNC``). ``shared_memory`` is bytes of dynamic shared memory, which only MLX's
     CUDA kernels support. ``mma`` adds the dialect's tensor-core vocabulary to the header
-    (``bt_mma_16x8x16`` and friends). Nothing is compiled until the first call; MLX then
-    compiles once per distinct ``template`` (on CUDA also per source and dtypes: ``BUILD_KEY``).
+    (``bt_mma_16x8x16`` and friends). Nothing is compiled until the first call. MLX compiles
+    once per process and distinct ``template`` (on CUDA also per source and dtypes:
+    ``BUILD_KEY``); on CUDA with ``BUTTER_CUDA_BINARIES=1`` a build (template values, dtypes,
+    ranks) is compiled once per install by ``cuda_binaries`` instead.
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class Kernel:
         self.mma = mma
         self._built: dict[Backend, Any] = {}
         self._build_keys: dict[tuple[tuple[mx.Dtype, ...], tuple[mx.Dtype, ...]], int] = {}
+        self._binaries: dict[tuple, cuda_binaries.Rendered | None] = {}
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, inputs={self.input_names}, outputs={self.output_names})"
@@ -224,6 +227,12 @@ class Kernel:
             return execute(Launch(build, tuple(inputs), tuple(tuple(s) for s in output_shapes), tuple(grid),
                                   tuple(threadgroup), init_value))
         backend = gpu_backend()
+        if backend == "cuda" and cuda_binaries.available():
+            rendered = self._binary(template, inputs, output_dtypes, verbose)
+            if rendered is not None:
+                return cuda_binaries.launch(rendered, inputs=inputs, output_shapes=output_shapes,
+                                            output_dtypes=output_dtypes, grid=grid, threadgroup=threadgroup,
+                                            shared_memory=self.shared_memory, init_value=init_value)
         built = self._built.get(backend)  # checked when it was built
         if built is None:
             built = self._build()
@@ -241,6 +250,28 @@ class Kernel:
             verbose=verbose,
             stream=mx.gpu,
         )
+
+    def _binary(self, template: Sequence[TemplateArg], inputs: Sequence[mx.array],
+                output_dtypes: Sequence[mx.Dtype], verbose: bool) -> cuda_binaries.Rendered | None:
+        """This call's build compiled by ``cuda_binaries`` and placed where MLX loads it, or None
+        where it cannot be (the kernel reads strides, or NVRTC rejects the stand-alone source:
+        warned once, and the kernel runs through ``mx.fast.cuda_kernel``)."""
+        key = (tuple(template), tuple(x.dtype for x in inputs), tuple(x.ndim for x in inputs), tuple(output_dtypes))
+        if key in self._binaries:
+            rendered = self._binaries[key]
+        else:
+            self._check_available()
+            try:
+                rendered = cuda_binaries.render(self, *key)
+                cuda_binaries.place(rendered)
+            except cuda_binaries.CudaBinaryError as error:
+                warnings.warn(f"butter: kernel {self.name!r} compiles through mx.fast.cuda_kernel: {error}",
+                              stacklevel=3)
+                rendered = None
+            self._binaries[key] = rendered
+        if verbose and rendered is not None:
+            print(rendered.source)
+        return rendered
 
     def _build_key(self, input_dtypes: tuple[mx.Dtype, ...], output_dtypes: tuple[mx.Dtype, ...]) -> int:
         """``build_key`` for this kernel's CUDA source, once per distinct dtypes."""

@@ -34,8 +34,8 @@ from collections.abc import Iterable
 
 import mlx.core as mx
 
-from butter_core.kernels.checks import KernelCheck
-from butter_core.kernels.kernel import Build, recorded_builds
+from butter_core.kernels.checks import KernelCheck, recorded_check_builds
+from butter_core.kernels.kernel import Build
 
 MAX_CONSTANT_ELEMENTS = 8
 """MLX passes an input of fewer elements in Metal's ``constant`` address space."""
@@ -159,14 +159,8 @@ def metal_builds(checks: Iterable[KernelCheck]) -> list[Build]:
     inputs made, its kernel called under ``recorded_builds("metal")``. A kernel the case
     calls that cannot run on Metal (dynamic shared memory) raises, as it would there."""
     builds: dict[str, Build] = {}
-    for check in checks:
-        if "metal" not in check.backends:
-            continue
-        for case in check.cases:
-            with recorded_builds("metal") as recorded:
-                check.kernel(**check.make_inputs(0, **case))
-            for build in recorded:
-                builds.setdefault(translation_unit(build) + translation_unit(build, all_constant=True), build)
+    for build in recorded_check_builds(checks, "metal"):
+        builds.setdefault(translation_unit(build) + translation_unit(build, all_constant=True), build)
     return list(builds.values())
 
 
