@@ -71,7 +71,7 @@ from butter_core.layer_caches import make_layer_caches
 from butter_core.loading.weights import build_model
 from butter_core.warm_up import warm_up
 from gpu_batched import mlx_lm_module, pipelined_decode
-from gpu_bench import QWEN3_1_7B
+from gpu_bench import QWEN3_1_7B, SMALL_MODEL
 
 WARMUP_STEPS = 40
 """Steps before the timed ones: past every scheme's ``warm_up_steps`` (AURA's deferred
@@ -80,10 +80,6 @@ FILL_CHUNK = 8192
 LATENCY_TOKENS = 48
 """Tokens of the latency run: past AURA's deferred encode (step 33), which a warm-up that
 stopped short of it would leave to compile mid-generation."""
-SMALL_MODEL = QWEN3_1_7B | {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-                            "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 4096}  # fmt: skip
-
-
 def layer_paths(args, q_heads: int, kv_heads: int, dim: int):
     """name -> ``setup(context)`` returning a function that builds one decode step's outputs."""
     base = mlx_lm_module("models.base")

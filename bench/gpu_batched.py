@@ -14,20 +14,27 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
   step, each step's graph built while the previous evaluates (``mx.async_eval``), as its
   ``GenerationBatch`` does; decode tok/s = B * (steps - 1) / time between first and last.
 
-Peak memory is MLX's, reset before each run. Usage:
+Peak memory is MLX's, reset before each run. ``--page-size`` runs each butter scheme at each
+page size (``scheme@pN``; default ``batched.PAGE_SIZE``). "floor" is the aggregate tok/s a
+step would reach if it only read the model's weights once and every sequence's live KV
+bytes once, at the read bandwidth measured at start (a sum over a large array): issue 33's
+"how far each is from its floor". ``--small`` shrinks the model to check the script on a CPU.
+Usage:
 
     python3 bench/gpu_batched.py [--batch 1 8 32 64] [--context 4096] [--decode-tokens 64]
-        [--kv-cache raw,affine4,aura4v2]
+        [--kv-cache raw,affine4,aura4v2] [--page-size 16 64 256] [--small]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import importlib.util
 import sys
 import time
 import types
+from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -37,7 +44,8 @@ from butter_core.batch_generation import BatchGeneration
 from butter_core.batched import PAGE_SIZE
 from butter_core.benchmark import steady_decode_rate
 from butter_core.engine import Engine
-from gpu_bench import QWEN3_1_7B, random_qwen3
+from butter_core.loading.weights import build_model
+from gpu_bench import QWEN3_1_7B, SMALL_MODEL
 
 PREFILL_SEQUENCES = 8
 
@@ -51,11 +59,24 @@ def mlx_lm_module(name: str):
     return importlib.import_module(f"mlx_lm.{name}")
 
 
-def run_butter(network, kind, prompts: mx.array, decode: int) -> dict:
+def read_bandwidth(gib: float) -> float:
+    """Bytes per second a sum over a ``gib``-GiB bfloat16 array reads at, the best of five."""
+    x = mx.ones((int(gib * 2**29),), mx.bfloat16)
+    mx.eval(x)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        mx.eval(x.sum())
+        times.append(time.perf_counter() - start)
+    return x.nbytes / min(times)
+
+
+def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int = PAGE_SIZE) -> dict:
     engine = Engine(network, LoadOptions(kv_cache=kind))
     batch, context = prompts.shape
-    pages = -(-(context + decode) // PAGE_SIZE)
-    caches = engine.make_batched_caches(capacity_tokens=batch * pages * PAGE_SIZE, max_sequences=batch)
+    pages = -(-(context + decode) // page_size)
+    caches = engine.make_batched_caches(capacity_tokens=batch * pages * page_size, page_size=page_size,
+                                        max_sequences=batch)  # fmt: skip
     generation = BatchGeneration(engine, caches, prefill_chunk=PREFILL_SEQUENCES * context)
     mx.synchronize()
     mx.reset_peak_memory()
@@ -67,7 +88,8 @@ def run_butter(network, kind, prompts: mx.array, decode: int) -> dict:
         for sequence, _ in generation.step():
             arrivals.append((sequence, time.perf_counter() - start))
     first, rate = steady_decode_rate(arrivals)
-    return {"first_s": first, "tok_s": rate, "peak_gib": mx.get_peak_memory() / 2**30}
+    return {"first_s": first, "tok_s": rate, "peak_gib": mx.get_peak_memory() / 2**30,
+            "bytes_per_position": caches.bytes_per_position}  # fmt: skip
 
 
 def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
@@ -86,8 +108,10 @@ def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
         return mx.argmax(model(tokens[:, None], cache=caches)[:, -1], axis=-1)
 
     times = pipelined_decode(step, prompts[:, -1], decode, start)
+    args = model.args
     return {"first_s": times[0], "tok_s": batch * (decode - 1) / (times[-1] - times[0]),
-            "peak_gib": mx.get_peak_memory() / 2**30}  # fmt: skip
+            "peak_gib": mx.get_peak_memory() / 2**30,
+            "bytes_per_position": args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 2}  # fmt: skip
 
 
 def pipelined_decode(step, tokens: mx.array, decode: int, start: float) -> list[float]:
@@ -112,21 +136,31 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--kv-cache", default="raw,affine4,aura4v2")
+    parser.add_argument("--page-size", type=int, nargs="+", default=[PAGE_SIZE])
+    parser.add_argument("--small", action="store_true", help="a small model: a CPU check of the script")
     args = parser.parse_args()
-    network = random_qwen3()
+    config = SMALL_MODEL if args.small else QWEN3_1_7B
+    network = build_model(config, Path("qwen3-shaped (random weights)"))
+    network.set_dtype(mx.bfloat16)
+    mx.eval(network.parameters())
     qwen3 = mlx_lm_module("models.qwen3")
-    reference = qwen3.Model(qwen3.ModelArgs.from_dict(QWEN3_1_7B))
+    reference = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     reference.load_weights(tree_flatten(network.parameters()))
     mx.eval(reference.parameters())
+    weights = sum(v.nbytes for _, v in tree_flatten(network.parameters()))
+    bandwidth = read_bandwidth(0.0625 if args.small else 2.0)
     kinds = [parse_kv_cache(name) for name in args.kv_cache.split(",")]
-    print(f"MLX {mx.__version__}, {mx.device_info().get('device_name', '')}; Qwen3-1.7B-shaped bf16, context "
-          f"{args.context}, {args.decode_tokens} decode tokens per sequence; aggregate decode tok/s")  # fmt: skip
+    print(f"MLX {mx.__version__}, {mx.device_info().get('device_name', '')}; {'small' if args.small else 'Qwen3-1.7B'}"
+          f"-shaped bf16 ({weights / 2**30:.2f} GiB of weights), context {args.context}, {args.decode_tokens} decode "
+          f"tokens per sequence; aggregate decode tok/s; read bandwidth {bandwidth / 1e9:.0f} GB/s")  # fmt: skip
     for batch in args.batch:
-        prompts = mx.random.randint(0, QWEN3_1_7B["vocab_size"], (batch, args.context), key=mx.random.key(batch)).astype(mx.uint32)
+        prompts = mx.random.randint(0, config["vocab_size"], (batch, args.context), key=mx.random.key(batch)).astype(mx.uint32)
         results = {}
-        for name, run in [("mlx-lm", lambda: run_mlx_lm(reference, prompts, args.decode_tokens))] + [
-            (str(kind), lambda kind=kind: run_butter(network, kind, prompts, args.decode_tokens)) for kind in kinds
-        ]:
+        engines = [("mlx-lm", lambda: run_mlx_lm(reference, prompts, args.decode_tokens))]
+        for kind, page in itertools.product(kinds, args.page_size):
+            label = str(kind) if args.page_size == [PAGE_SIZE] else f"{kind}@p{page}"
+            engines.append((label, lambda kind=kind, page=page: run_butter(network, kind, prompts, args.decode_tokens, page)))
+        for name, run in engines:
             try:
                 run()  # the first run of each compiles its kernels
                 results[name] = run()
@@ -139,8 +173,11 @@ def main() -> None:
                 print(f"B={batch:<3} {name:<9} {r['error']}", flush=True)
                 continue
             ratio = f"{r['tok_s'] / base:.2f}x mlx-lm" if base else ""
-            print(f"B={batch:<3} {name:<9} {r['tok_s']:9.1f} tok/s  all first tokens {r['first_s']:6.2f} s  "
-                  f"peak {r['peak_gib']:6.1f} GiB  {ratio}", flush=True)  # fmt: skip
+            step_bytes = weights + batch * (args.context + args.decode_tokens / 2) * r["bytes_per_position"]
+            floor = batch * bandwidth / step_bytes
+            print(f"B={batch:<3} {name:<13} {r['tok_s']:9.1f} tok/s  all first tokens {r['first_s']:6.2f} s  "
+                  f"peak {r['peak_gib']:6.1f} GiB  floor {floor:8.0f} tok/s ({r['tok_s'] / floor:.2f} of it)  {ratio}",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ QWEN3_1_7B = {
     "max_position_embeddings": 40960,
     "tie_word_embeddings": True,
 }
+SMALL_MODEL = QWEN3_1_7B | {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 4, "vocab_size": 4096}  # fmt: skip
+"""``QWEN3_1_7B``'s family, small enough that a bench's ``--small`` checks it on a CPU."""
 
 
 def amortised_us(fn, calls: int) -> float:
