@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, default_device_is_gpu, gpu_backend
 
-from butter_affine.kernels import decode
+from butter_affine.kernels import decode, decode_mma
 from butter_affine.kind import Affine
 from butter_affine.ops import AffineOps, select_ops
 from butter_affine.packing import BUFFERS, STACKS, PackedFormat
@@ -28,7 +28,8 @@ class AffineCache(BufferedSlotCache):
     bound) so that few layers' dequantized K/V exist at once (``working_set``);
     single-token attention uses the fastest path of this backend (``ops``). In batched storage
     (``butter_core.batched``) on a GPU, a decode step reads every sequence's codes in place
-    through its page table (``kernels.decode.paged_decode_attention``).
+    through its page table (``kernels.decode_mma.paged_decode_attention`` on CUDA's tensor
+    cores where it serves the format, else ``kernels.decode.paged_decode_attention``).
     """
 
     def __init__(self, spec: LayerSpec, kind: Affine, pipeline: PrefillPipeline | None = None):
@@ -51,7 +52,10 @@ class AffineCache(BufferedSlotCache):
     def paged_decode(self, queries, buffers, table, lengths, page_size, length, scale):
         if not (default_device_is_gpu() and gpu_backend() is not None and decode.supports(self.format, queries.dtype)):
             return None
-        return decode.paged_decode_attention(queries, *(buffers[name] for name in BUFFERS), table=table, lengths=lengths,
+        tensor_cores = (gpu_backend() == "cuda" and decode_mma.supports(self.format, queries.dtype)
+                        and decode_mma.available())  # as ``ops.select_ops`` chooses for one sequence
+        kernel = decode_mma if tensor_cores else decode
+        return kernel.paged_decode_attention(queries, *(buffers[name] for name in BUFFERS), table=table, lengths=lengths,
                                              page_size=page_size, length=length, scale=scale)  # fmt: skip
 
     def load(self, length):

@@ -8,6 +8,8 @@ import pytest
 
 from butter_core.cpu_attention import softmax_for
 from butter_core.kernels import backend, gpu_backend, recorded_builds, relative_error, split_k
+from butter_core.kernels.backend import standing_in_for_gpu
+from butter_core.plugin_api import LayerSpec
 from butter_core.kernels.checks import DEFAULT_RTOL
 from butter_core.kernels.cuda_emulator import emulated_cuda
 from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
@@ -17,6 +19,8 @@ from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 
 from butter_affine import codec
 from butter_affine import ops
+from butter_affine.cache import AffineCache
+from butter_affine.kind import Affine
 from butter_affine.kernels import KERNEL_CHECKS, decode, decode_mma, dequantize, quantize
 from butter_affine.ops import float32_decode
 from butter_affine.packing import BUFFERS, STACKS, PackedFormat, stack
@@ -370,3 +374,32 @@ def test_paged_decode_matches_reference_under_the_emulators(emulated):
     with emulated():
         result = PAGED_CHECK.check(seed=11, **PAGED_CHECK.cases[1])
     assert result.passed, result
+
+
+PAGED_MMA_CHECK = next(c for c in KERNEL_CHECKS if c.name == "paged_decode_attention_mma")
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
+@pytest.mark.parametrize(("emulated", "case"), [(emulated_cuda, 1), (emulated_cuda, 4), (emulated_metal, 1)],
+                         ids=["cuda-one-sequence", "cuda-pages-of-16-split", "metal-one-sequence"])
+def test_paged_tensor_core_decode_matches_reference_under_the_emulators(emulated, case):
+    """The paged tensor-core kernel's CUDA (PTX replaced by software) and Metal builds, run on the
+    CPU: one sequence of 5 keys, and two sequences of 2000 and 1 keys in pages of 16 over forced
+    splits (every case: ``python -m butter_core.kernels.cuda_emulator affine paged_decode_attention_mma``)."""
+    with emulated():
+        result = PAGED_MMA_CHECK.check(seed=12, **PAGED_MMA_CHECK.cases[case])
+    assert result.passed, result
+
+
+def test_batched_storage_decodes_on_tensor_cores_where_one_sequence_does():
+    """``AffineCache.paged_decode`` takes the paged tensor-core kernel where a single cache takes the
+    tensor-core kernel (CUDA, a format it serves), and the SIMT paged kernel elsewhere."""
+    inputs = decode.make_paged_inputs(0)
+    buffers = {name: inputs[name] for name in BUFFERS}
+    cache = AffineCache(LayerSpec(2, 128, 64, mx.bfloat16), Affine(bits=4, group_size=32))
+    for gpu, expected in (("cuda", "butter_affine_paged_decode_mma_partials"),
+                          ("metal", "butter_affine_paged_decode_partials")):
+        with standing_in_for_gpu(), recorded_builds(gpu) as builds:
+            cache.paged_decode(inputs["queries"], buffers, inputs["table"], inputs["lengths"], inputs["page_size"],
+                               inputs["length"], inputs["scale"])
+        assert [b.kernel.name for b in builds][0] == expected

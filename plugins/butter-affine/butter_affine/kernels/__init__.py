@@ -78,6 +78,16 @@ def make_dequantize_inputs(
 # 128, 4 query heads per KV head; 4/6/8 bits at their default groups), so the bench
 # compiles no kernel twice; the rest cover the other dtypes, head dims, groups and GQA
 # ratios.
+_PAGED_CASES = (
+    {},
+    {"lengths": (5,), "batch": 1, "bits": 8, "group_size": 64, "dtype": mx.float16, "head_dim": 64},
+    {"lengths": (700, 64, 1, 333), "batch": 4, "page_size": 64, "q_heads": 16, "kv_heads": 4, "bits": 6,
+     "dtype": mx.float32},
+    {"lengths": (1200, 17), "batch": 2, "page_size": 32, "q_heads": 32, "kv_heads": 8},
+)
+"""Sequences of different lengths in scattered pages: the cases of both paged decode kernels' checks
+(the tensor-core one takes float16 for float32, which it does not serve)."""
+
 KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck(
         name="quantize_kv",
@@ -134,13 +144,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         kernel=decode.paged_decode_attention,
         reference=decode.paged_decode_attention_reference,
         make_inputs=decode.make_paged_inputs,
-        cases=(
-            {},
-            {"lengths": (5,), "batch": 1, "bits": 8, "group_size": 64, "dtype": mx.float16, "head_dim": 64},
-            {"lengths": (700, 64, 1, 333), "batch": 4, "page_size": 64, "q_heads": 16, "kv_heads": 4, "bits": 6,
-             "dtype": mx.float32},
-            {"lengths": (1200, 17), "batch": 2, "page_size": 32, "q_heads": 32, "kv_heads": 8},
-        ),
+        cases=_PAGED_CASES,
     ),
     KernelCheck(
         name="decode_attention_mma",
@@ -192,6 +196,23 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         # float32 result ~3e-4 from the reference; with the output rounded to bf16 the
         # check measured <= 1.3e-3 (fp16 <= 4.9e-4) under a CPU emulation of the CUDA build.
         # Tighter than the defaults, so a bf16-arithmetic slip (~1e-2) fails.
+        rtol={mx.bfloat16: 5e-3, mx.float16: 1.5e-3},
+        tensor_cores=True,
+    ),
+    KernelCheck(
+        name="paged_decode_attention_mma",
+        kernel=decode_mma.paged_decode_attention,
+        reference=decode_mma.paged_decode_attention_check_reference,
+        make_inputs=decode_mma.make_paged_check_inputs,
+        # Sequences of different lengths, pages scattered through the storage; pages of 16 (a
+        # warp's key block spans one page), 32 and 64; lengths that end inside a page and a key
+        # block; forced splits over a long sequence and beside one of a single key.
+        cases=(
+            *(case | {"dtype": mx.float16} if case.get("dtype", mx.bfloat16) == mx.float32 else case for case in _PAGED_CASES),
+            {"lengths": (2000, 1), "batch": 2, "page_size": 16, "q_heads": 8, "kv_heads": 2, "splits": 2},
+            {"lengths": (90, 300, 47), "batch": 3, "page_size": 16, "bits": 8, "group_size": 32, "head_dim": 256,
+             "q_heads": 4, "kv_heads": 2},
+        ),
         rtol={mx.bfloat16: 5e-3, mx.float16: 1.5e-3},
         tensor_cores=True,
     ),

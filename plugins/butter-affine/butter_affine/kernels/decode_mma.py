@@ -57,7 +57,15 @@ import mlx.core as mx
 from butter_core.plugin_api import Kernel, kernel_params, mma, split_k
 
 from butter_affine.kernels.codes import CODE_HELPERS, MMA_CODE_HELPERS
-from butter_affine.kernels.decode import _check_args, decode_attention_reference, make_inputs
+from butter_affine.kernels.decode import (
+    PAGED_PREAMBLE,
+    _check_args,
+    _check_paged_args,
+    decode_attention_reference,
+    make_inputs,
+    make_paged_inputs,
+    paged_decode_attention_reference,
+)
 from butter_affine.packing import BUFFERS, PackedFormat
 
 SUPPORTED_BITS = (4, 6, 8)
@@ -101,26 +109,32 @@ sweep, and one threadgroup per multiprocessor is as fast as two: occupancy is no
 limits this kernel (measurements: docs/benchmarks.md,
 "plugins/butter-affine/butter_affine/kernels/decode_mma.py")."""
 
-_PARTIALS = Kernel(
-    name="butter_affine_decode_mma_partials",
-    input_names=("queries", *BUFFERS, "length", "scale"),
-    output_names=("partial_acc", "partial_max", "partial_sum"),
-    mma=True,
-    helpers=CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + r"""
+_HELPERS = CODE_HELPERS + MMA_CODE_HELPERS + split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + r"""
+// The storage row of key `at`: `at` itself in a cache's own buffers (PAGE 0), else its slot
+// in paged storage, through the sequence's row of the page table (`table + pages`).
+template <int PAGE, typename Table>
+BT_FUNC int64_t affine_mma_row(Table table, int64_t pages, int at) {
+  if (PAGE == 0) {
+    return at;
+  }
+  return static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE;
+}
+
 // A warp step's loads, lane (g, q). Keys: for key block b, keys 16 b + g + 8 r (r < 2)
 // for the scores, KW words from word q KW of the row, KG groups. Values: keys 16 b + 2q +
 // (v % 2) + 8 (v / 2) (v < 4), VW words from word g VW, one group. CLAMP: rows past last
 // read row last instead (only the last step of a split needs it), so every value read is
-// a live one; without, row offsets are constants the loads take as immediates.
-template <bool CLAMP, bool RO, int KB, int KW, int KG, int ROW_WORDS, int GROUPS, typename S, typename Codes, typename Scales>
+// a live one; without (and PAGE 0), row offsets are constants the loads take as immediates.
+template <bool CLAMP, bool RO, int PAGE, int KB, int KW, int KG, int ROW_WORDS, int GROUPS, typename S, typename Codes,
+          typename Scales, typename Table>
 BT_FUNC void affine_mma_fetch_keys(
-    Codes codes, Scales scales, Scales biases,
+    Codes codes, Scales scales, Scales biases, Table table, int64_t pages,
     int base, int last, int g, BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
-  const int64_t first = base + g;
 #pragma unroll
   for (int k = 0; k < KB * 2; ++k) {
     const int offset = 16 * (k / 2) + 8 * (k % 2);
-    const int64_t row = CLAMP ? (base + g + offset < last ? base + g + offset : last) : first + offset;
+    const int64_t row = affine_mma_row<PAGE>(table, pages, CLAMP ? (base + g + offset < last ? base + g + offset : last)
+                                                                 : base + g + offset);
     affine_load_words<KW, RO>(codes + row * ROW_WORDS, words + k * KW);
 #pragma unroll
     for (int i = 0; i < KG; ++i) {
@@ -130,22 +144,24 @@ BT_FUNC void affine_mma_fetch_keys(
   }
 }
 
-template <bool CLAMP, bool RO, int KB, int VW, int ROW_WORDS, int GROUPS, typename S, typename Codes, typename Scales>
+template <bool CLAMP, bool RO, int PAGE, int KB, int VW, int ROW_WORDS, int GROUPS, typename S, typename Codes,
+          typename Scales, typename Table>
 BT_FUNC void affine_mma_fetch_values(
-    Codes codes, Scales scales, Scales biases,
+    Codes codes, Scales scales, Scales biases, Table table, int64_t pages,
     int base, int last, int q, BT_PRIVATE uint32_t* words, BT_PRIVATE S* s, BT_PRIVATE S* b) {
-  const int64_t first = base + 2 * q;
 #pragma unroll
   for (int k = 0; k < KB * 4; ++k) {
     const int offset = 16 * (k / 4) + (k % 2) + 8 * ((k % 4) / 2);
-    const int64_t row = CLAMP ? (base + 2 * q + offset < last ? base + 2 * q + offset : last) : first + offset;
+    const int64_t row = affine_mma_row<PAGE>(table, pages, CLAMP ? (base + 2 * q + offset < last ? base + 2 * q + offset : last)
+                                                                 : base + 2 * q + offset);
     affine_load_words<VW, RO>(codes + row * ROW_WORDS, words + k * VW);
     s[k] = bt_read_if<RO>(scales + row * GROUPS);
     b[k] = bt_read_if<RO>(biases + row * GROUPS);
   }
 }
-""",
-    body=r"""
+"""
+
+_PARTIALS_BODY = r"""
   // One threadgroup: one (batch, KV head, HEADS query heads) and one split of the live
   // keys. Warp w takes key blocks w, w + WARPS, ... (KB blocks of 16 keys per step).
   constexpr int NH = (HEADS + 7) / 8;             // column tiles of 8 query heads
@@ -164,11 +180,11 @@ BT_FUNC void affine_mma_fetch_values(
   constexpr int VPAIRS = AffineUnit<BITS>::CODES;     // half2 per unit of two keys' values
 
   const SplitKBlock block = splitk_block<HEADS>(
-      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], length[0]);
+      block_idx, grid_dim, queries_shape[1], key_codes_shape[1], $LIVE);
   const int g = lane_id / 4;
   const int q = lane_id % 4;
   const int allocated = key_codes_shape[2];
-  const int64_t first_row = static_cast<int64_t>(block.batch_kv_head) * allocated;
+  const int64_t first_row = static_cast<int64_t>($KV_ROWS) * allocated;
   const int64_t k_words = first_row * ROW_WORDS + q * KW;
   const int64_t k_groups = first_row * GROUPS + (q * KCHUNK) / GROUP;
   const int64_t v_words = first_row * ROW_WORDS + g * VW;
@@ -194,19 +210,19 @@ BT_FUNC void affine_mma_fetch_values(
   // The loads of one step (rows clamped only where the step runs past the split's end).
 #define AFFINE_MMA_FETCH_KEYS(at)                                                              \
   if ((at) + KEYS <= end) {                                                                    \
-    affine_mma_fetch_keys<false, READ_ONLY, KB, KW, KG, ROW_WORDS, GROUPS, S>(                            \
-        key_codes + k_words, key_scales + k_groups, key_biases + k_groups, at, last, g, kw, ks, kb); \
+    affine_mma_fetch_keys<false, READ_ONLY, $PAGE, KB, KW, KG, ROW_WORDS, GROUPS, S>(                            \
+        key_codes + k_words, key_scales + k_groups, key_biases + k_groups, $TABLE, at, last, g, kw, ks, kb); \
   } else {                                                                                     \
-    affine_mma_fetch_keys<true, READ_ONLY, KB, KW, KG, ROW_WORDS, GROUPS, S>(                             \
-        key_codes + k_words, key_scales + k_groups, key_biases + k_groups, at, last, g, kw, ks, kb); \
+    affine_mma_fetch_keys<true, READ_ONLY, $PAGE, KB, KW, KG, ROW_WORDS, GROUPS, S>(                             \
+        key_codes + k_words, key_scales + k_groups, key_biases + k_groups, $TABLE, at, last, g, kw, ks, kb); \
   }
 #define AFFINE_MMA_FETCH_VALUES(at)                                                            \
   if ((at) + KEYS <= end) {                                                                    \
-    affine_mma_fetch_values<false, READ_ONLY, KB, VW, ROW_WORDS, GROUPS, S>(                              \
-        value_codes + v_words, value_scales + v_groups, value_biases + v_groups, at, last, q, vw, vs, vb); \
+    affine_mma_fetch_values<false, READ_ONLY, $PAGE, KB, VW, ROW_WORDS, GROUPS, S>(                              \
+        value_codes + v_words, value_scales + v_groups, value_biases + v_groups, $TABLE, at, last, q, vw, vs, vb); \
   } else {                                                                                     \
-    affine_mma_fetch_values<true, READ_ONLY, KB, VW, ROW_WORDS, GROUPS, S>(                               \
-        value_codes + v_words, value_scales + v_groups, value_biases + v_groups, at, last, q, vw, vs, vb); \
+    affine_mma_fetch_values<true, READ_ONLY, $PAGE, KB, VW, ROW_WORDS, GROUPS, S>(                               \
+        value_codes + v_words, value_scales + v_groups, value_biases + v_groups, $TABLE, at, last, q, vw, vs, vb); \
   }
   uint32_t kw[KB * 2 * KW], vw[KB * 4 * VW];
   S ks[KB * 2 * KG], kb[KB * 2 * KG], vs[KB * 4], vb[KB * 4];
@@ -314,7 +330,33 @@ BT_FUNC void affine_mma_fetch_values(
   mma_write_partials<HEADS, NH, D, WARPS>(
       m, l, o, lane_id, warp_id, thread_rank, block, warp_m, warp_l, warp_acc,
       partial_acc, partial_max, partial_sum);
-""",
+"""
+"""The partials pass of both tensor-core kernels, with open expressions (``split_k.fill``) as in
+``decode``'s: ``$LIVE`` (this block's sequence's live keys), ``$KV_ROWS`` (which ``allocated``-row
+run of the buffers is this block's), ``$PAGE`` (0: the cache's own rows, key ``at`` in row ``at``;
+else the page size) and ``$TABLE`` (the page table and this sequence's offset into it)."""
+
+_PARTIALS = Kernel(
+    name="butter_affine_decode_mma_partials",
+    input_names=("queries", *BUFFERS, "length", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    mma=True,
+    helpers=_HELPERS,
+    body=split_k.fill(_PARTIALS_BODY, {"$LIVE": "length[0]", "$KV_ROWS": "block.batch_kv_head", "$PAGE": "0",
+                                       "$TABLE": "length, 0"}),
+)
+
+_PAGED_PARTIALS = Kernel(
+    name="butter_affine_paged_decode_mma_partials",
+    input_names=("queries", *BUFFERS, "table", "lengths", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    mma=True,
+    helpers=_HELPERS,
+    body=(
+        PAGED_PREAMBLE
+        + split_k.fill(_PARTIALS_BODY, {"$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head", "$PAGE": "PAGE",
+                                        "$TABLE": "table, pages"})
+    ),
 )
 
 
@@ -358,23 +400,45 @@ def partials(
     """The partials kernel's output (``split_k``'s acc, max and sum) that
     ``decode_attention_live`` merges; benchmarks time it alone."""
     fmt = _check_args(queries, key_codes, key_scales, value_codes, key_codes.shape[2])
+    buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
+    return _partials(_PARTIALS, fmt, queries, buffers, [live, scale], planned_length or key_codes.shape[2], splits)
+
+
+def paged_decode_attention(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, table: mx.array, lengths: mx.array, page_size: int, length: int, scale: float, splits: int | None = None,
+) -> mx.array:
+    """``decode.paged_decode_attention`` on tensor cores: one query token per sequence over its pages
+    of shared packed storage, the codes read in place; ``supports`` says which formats."""
+    buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
+    fmt = _check_paged_args(queries, buffers, table, lengths, page_size, length)
+    extra = [table, lengths, kernel_params((scale,), mx.float32)]
+    acc, maxes, sums = _partials(_PAGED_PARTIALS, fmt, queries, buffers, extra, length, splits, [("PAGE", page_size)])
+    return split_k.merge_partials(acc, maxes, sums, queries.dtype)
+
+
+def _partials(kernel: Kernel, fmt: PackedFormat, queries: mx.array, buffers: list[mx.array], extra: list[mx.array],
+              planned: int, splits: int | None, template: list | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """Either partials kernel's launch (inputs ``queries, *buffers, *extra``), split-K planned for
+    ``planned`` keys, ``template`` added to the shared one."""
     if not supports(fmt, queries.dtype):
         raise ValueError(f"the tensor-core decode kernel does not handle {fmt} with {queries.dtype} queries")
     batch, q_heads, _, dims = queries.shape
     launch = split_k.plan(
-        batch=batch, q_heads=q_heads, kv_heads=key_codes.shape[1], dims=dims,
-        length=planned_length or key_codes.shape[2], warps=WARPS,
+        batch=batch, q_heads=q_heads, kv_heads=buffers[0].shape[1], dims=dims, length=planned, warps=WARPS,
         max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
         splits=splits,
     )
-    planned = planned_length or key_codes.shape[2]
     long_run = planned // (launch.n_splits * WARPS) >= LONG_RUN
     key_blocks = LONG_KEY_BLOCKS.get(fmt.bits, KEY_BLOCKS) if long_run else KEY_BLOCKS
-    acc, maxes, sums = _PARTIALS(
-        inputs=[queries, key_codes, key_scales, key_biases, value_codes, value_scales, value_biases, live, scale],
+    acc, maxes, sums = kernel(
+        inputs=[queries, *buffers, *extra],
         template=[("T", queries.dtype), ("S", fmt.dtype), ("D", dims), ("BITS", fmt.bits),
                   ("GROUP", fmt.group_size), ("HEADS", launch.heads), ("WARPS", WARPS),
-                  ("KB", key_blocks), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS[fmt.bits]), ("READ_ONLY", READ_ONLY_LOADS)],
+                  ("KB", key_blocks), ("PREFETCH", PREFETCH), ("SCORE_CHAINS", SCORE_CHAINS[fmt.bits]),
+                  ("READ_ONLY", READ_ONLY_LOADS), *(template or [])],
         grid=launch.grid,
         threadgroup=launch.threadgroup,
         output_shapes=launch.output_shapes,
@@ -386,6 +450,19 @@ def partials(
 def decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:
     """``decode.decode_attention_reference``, taking (and ignoring) ``splits``."""
     return decode_attention_reference(*args, **kwargs)
+
+
+def paged_decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:
+    """``decode.paged_decode_attention_reference``, taking (and ignoring) ``splits``."""
+    return paged_decode_attention_reference(*args, **kwargs)
+
+
+def make_paged_check_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
+    """``decode.make_paged_inputs``, plus ``splits`` when given."""
+    inputs = make_paged_inputs(seed, **sizes)
+    if splits is not None:
+        inputs["splits"] = splits
+    return inputs
 
 
 def make_check_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
