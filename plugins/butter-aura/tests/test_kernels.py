@@ -8,13 +8,14 @@ import pytest
 
 from butter_core import LayerSpec
 from butter_core.cache import reference_attention
-from butter_core.kernels import backend, executed_by, gpu_backend, recorded_builds, relative_error
+from butter_core.kernels import backend, executed_by, gpu_backend, recorded_builds, relative_error, standing_in_for_gpu
 from butter_core.kernels.cuda_emulator import emulated_cuda
 from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
 
 from butter_aura import cpu, reference
-from butter_aura.kernels import GPU_OPS, KERNEL_CHECKS, attention, attention_mma, checks, encode, ops_for
+from butter_aura.kernels import GPU_OPS, KERNEL_CHECKS, attention, attention_mma, checks, encode, ops_for, paged
+from butter_aura.kernels.checks import make_paged_inputs
 
 CASES = [pytest.param(check, case, id=f"{check.name}-{i}") for check in KERNEL_CHECKS for i, case in enumerate(check.cases)]
 
@@ -53,6 +54,31 @@ def test_paged_decode_matches_reference_under_the_emulators(emulated):
     with emulated():
         result = PAGED_CHECK.check(seed=11, **PAGED_CHECK.cases[1])
     assert result.passed, result
+
+
+PAGED_MMA_CHECK = next(c for c in KERNEL_CHECKS if c.name == "paged_decode_attention_mma")
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the CUDA emulator needs g++ 12+ (_Float16)")
+@pytest.mark.parametrize("index", [1, 4])  # one sequence of 5 keys at head_dim 64; 8/8 bits over forced splits
+def test_paged_tensor_core_decode_matches_reference_under_the_cuda_emulator(index):
+    """The tensor-core kernel over pages, each sequence's ring and full-precision rows its own (every
+    case: ``python -m butter_core.kernels.cuda_emulator aura paged_decode_attention_mma``)."""
+    with emulated_cuda():
+        result = PAGED_MMA_CHECK.check(seed=11, **PAGED_MMA_CHECK.cases[index])
+    assert result.passed, result
+
+
+def test_batched_decode_takes_the_tensor_core_kernel_where_one_cache_does():
+    """Without a method, paged decode takes the tensor-core partials on CUDA where they serve, the SIMT
+    partials on Metal and for configurations they do not serve (float32 queries)."""
+    for gpu, dtype, expected in (("cuda", mx.bfloat16, "butter_aura_paged_decode_mma_partials"),
+                                 ("metal", mx.bfloat16, "butter_aura_paged_decode_partials"),
+                                 ("cuda", mx.float32, "butter_aura_paged_decode_partials")):
+        inputs = make_paged_inputs(0, dtype=dtype)
+        with standing_in_for_gpu(), recorded_builds(gpu) as builds:
+            paged.paged_decode_attention(**inputs)
+        assert builds[0].kernel.name.startswith(expected), (gpu, dtype, builds[0].kernel.name)
 
 
 @pytest.mark.parametrize(("check", "case"), CASES)

@@ -45,7 +45,7 @@ from butter_core.plugin_api import Kernel, compile_by_shape, gpu_backend, kernel
 
 from butter_aura.codec import Codec
 from butter_aura.kernels import attention_mma
-from butter_aura.kernels.source import HELPERS
+from butter_aura.kernels.source import DENSE, HELPERS, PAGED, PAGED_PREAMBLE
 from butter_aura.layout import FullPrecisionBudget
 from butter_aura.stored import StoredLayer
 
@@ -309,21 +309,6 @@ _MERGE_BODY = """
 ``$RECENT_AT`` and ``$RING`` (its ring's length), and where a head's full-precision rows lie:
 row ``r`` at ``$FP_BASE + r * $FP_STRIDE``."""
 
-_DENSE = {
-    "$PARAMS_AT": "0", "$RECENT_AT": "0", "$RING": "recent_slots_shape[0]", "$KV_ROWS": "block.batch_kv_head",
-    "$SLOT": "at", "$FP_BASE": "(static_cast<int64_t>(sequence) * kv_heads + kv_head) * ROWS * D", "$FP_STRIDE": "D",
-}
-"""One cache's arrays: ``params`` and ``recent_slots`` shared by its batch, fp rows ``[batch, heads, ROWS, D]``."""
-
-_PAGED = {
-    "$PARAMS_AT": "static_cast<int64_t>(sequence) * 7", "$RECENT_AT": "static_cast<int64_t>(sequence) * recent_slots_shape[1]",
-    "$RING": "recent_slots_shape[1]", "$KV_ROWS": "block.kv_head",
-    "$SLOT": "(static_cast<int64_t>(table[static_cast<int64_t>(sequence) * table_shape[1] + at / PAGE]) * PAGE + at % PAGE)",
-    "$FP_BASE": "(static_cast<int64_t>(sequence_rows[sequence]) * ROWS * kv_heads + kv_head) * D",
-    "$FP_STRIDE": "kv_heads * D",
-}
-"""Batched storage (``paged``): per sequence ``params`` ``[B, 7]`` and ``recent_slots`` ``[B, ring]``,
-codes in pages read through ``table``, fp rows ``[sequences * ROWS, heads, D]`` at ``sequence_rows``."""
 
 
 _PARTIALS = Kernel(
@@ -334,7 +319,7 @@ _PARTIALS = Kernel(
     ),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=split_k.SPLIT_K_HELPERS + HELPERS,
-    body=split_k.fill(_PARTIALS_BODY, _DENSE),
+    body=split_k.fill(_PARTIALS_BODY, DENSE),
 )
 
 _MERGE = Kernel(
@@ -345,7 +330,7 @@ _MERGE = Kernel(
     ),
     output_names=("out",),
     helpers=split_k.MERGE_HELPERS + HELPERS,
-    body=split_k.fill(_MERGE_BODY, _DENSE),
+    body=split_k.fill(_MERGE_BODY, DENSE),
 )
 
 _PAGED_PARTIALS = Kernel(
@@ -356,8 +341,7 @@ _PAGED_PARTIALS = Kernel(
     ),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=split_k.SPLIT_K_HELPERS + HELPERS,
-    body="  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], key_codes_shape[1]);\n"
-    + split_k.fill(_PARTIALS_BODY, _PAGED),
+    body=PAGED_PREAMBLE + split_k.fill(_PARTIALS_BODY, PAGED),
 )
 
 _PAGED_MERGE = Kernel(
@@ -368,7 +352,7 @@ _PAGED_MERGE = Kernel(
     ),
     output_names=("out",),
     helpers=split_k.MERGE_HELPERS + HELPERS,
-    body=split_k.fill(_MERGE_BODY, _PAGED),
+    body=split_k.fill(_MERGE_BODY, PAGED),
 )
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -429,11 +413,7 @@ def decode_attention_live(
     (``live_params``) and the scale (float32, one element). The splits are planned for
     ``stored.length`` keys, which need not be the live length (``traced_decode_attention``
     plans for every allocated slot); nothing else of the call depends on the step."""
-    if method is None:
-        method = ("mma" if gpu_backend() == "cuda" and tensor_cores_available() and attention_mma.serves(queries, stored)
-                  else "simt")
-    elif method == "mma" and not attention_mma.serves(queries, stored):
-        raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
+    method = _method(method, queries, stored)
     if method == "mma":
         partial_acc, partial_max, partial_sum = attention_mma.partials(
             queries, stored, params, scale_array, splits=splits, **tunables
@@ -442,8 +422,6 @@ def decode_attention_live(
         partial_acc, partial_max, partial_sum = _simt_partials(
             queries, stored, params, scale_array, splits=splits, **tunables
         )
-    else:
-        raise ValueError(f"method is 'mma', 'simt' or None; got {method!r}")
     return _merge(_MERGE, [partial_acc, partial_max, partial_sum], queries, stored, params, scale_array, [],
                   stored.fp_keys.shape[2])
 
@@ -466,13 +444,32 @@ def _merge(kernel: Kernel, partials: list[mx.array], queries: mx.array, stored, 
     return out
 
 
-def paged_decode_attention_live(queries: mx.array, paged, params: mx.array, scale: mx.array) -> mx.array:
+def _method(method: str | None, queries: mx.array, stored) -> str:
+    """The partials kernel a call takes: ``method`` checked, or where None ``"mma"`` wherever the
+    tensor-core kernel serves and the GPU has the instructions, else ``"simt"``."""
+    if method is None:
+        return ("mma" if gpu_backend() == "cuda" and tensor_cores_available() and attention_mma.serves(queries, stored)
+                else "simt")
+    if method == "mma" and not attention_mma.serves(queries, stored):
+        raise ValueError("the tensor-core kernel does not serve this configuration (attention_mma.serves)")
+    if method not in ("mma", "simt"):
+        raise ValueError(f"method is 'mma', 'simt' or None; got {method!r}")
+    return method
+
+
+def paged_decode_attention_live(queries: mx.array, paged, params: mx.array, scale: mx.array, *,
+                                method: str | None = None, splits: int | None = None) -> mx.array:
     """One query token per sequence over batched storage (``paged.PagedStored``: each sequence's codes
-    read in place through its page table, its full-precision rows and recent ring its own), by the
-    SIMT partials kernel and the merge: ``decode_attention_live`` with ``params`` ``[B, 7]``, one row
-    per sequence (``paged.PagedStored.params``)."""
-    partials = _simt_partials(queries, paged, params, scale, kernel=_PAGED_PARTIALS, extra=[paged.table],
-                              template=[("PAGE", paged.page_size)])  # fmt: skip
+    read in place through its page table, its full-precision rows and recent ring its own), by a
+    partials kernel (``method`` as ``decode_attention_live`` chooses it) and the merge:
+    ``decode_attention_live`` with ``params`` ``[B, 7]``, one row per sequence
+    (``paged.PagedStored.params``); ``splits`` forces the tensor-core kernel's split count (tests)."""
+    if _method(method, queries, paged) == "mma":
+        partials = attention_mma.partials(queries, paged, params, scale, splits=splits, table=paged.table,
+                                          page_size=paged.page_size)  # fmt: skip
+    else:
+        partials = _simt_partials(queries, paged, params, scale, kernel=_PAGED_PARTIALS, extra=[paged.table],
+                                  template=[("PAGE", paged.page_size)])  # fmt: skip
     return _merge(_PAGED_MERGE, partials, queries, paged, params, scale, [paged.sequence_rows], paged.budget.rows)
 
 

@@ -87,7 +87,7 @@ import mlx.core as mx
 
 from butter_core.plugin_api import GpuShape, Kernel, gpu_shape, mma, split_k
 
-from butter_aura.kernels.source import HELPERS
+from butter_aura.kernels.source import DENSE, HELPERS, PAGED, PAGED_PREAMBLE
 
 BITS = ((4, 2), (4, 4), (8, 4), (8, 8))
 """(key bits, value bits) served: aura4v2, aura4v4, aura8v4, aura8v8, the pairs its checks
@@ -203,14 +203,14 @@ _BODY = """
   constexpr int VLW = (VLB + 3) / 4;
   static_assert(HEADS <= 8, "the value MMA has 8 head columns");
 
-  const AuraSlotParams slot_params = aura_slot_params(params);
+  const AuraSlotParams slot_params = aura_slot_params(params + $PARAMS_AT);
   const SplitKBlock block =
       splitk_block<HEADS>(block_idx, grid_dim, queries_shape[1], key_codes_shape[1], slot_params.live);
   const int allocated = key_codes_shape[2];
   const int g = lane_id / 4;
   const int t = lane_id % 4;
 
-  const int64_t rows = static_cast<int64_t>(block.batch_kv_head) * allocated;
+  const int64_t rows = static_cast<int64_t>($KV_ROWS) * allocated;
   const unsigned char* k_rows = reinterpret_cast<const unsigned char*>(key_codes) + rows * KWB;
   const unsigned char* v_rows = reinterpret_cast<const unsigned char*>(value_codes) + rows * VWB;
   const unsigned char* k_base = k_rows + t * KLB;
@@ -236,10 +236,13 @@ _BODY = """
   // latency; Nsight Compute put a fifth of the kernel's stall samples on it).
   __half ks[BLOCKS][2];
   __half vs[BLOCKS][2];
-  // A step wholly inside [start, end) reads from one address per array plus constant
-  // offsets; the last step of a split clamps each key to the last one.
+  // The storage slot of key `at` (itself in one cache's arrays; through the page table in
+  // batched storage). A step wholly inside [start, end) of one cache's arrays reads from one
+  // address per array plus constant offsets; otherwise (the last step of a split, or pages)
+  // each key is looked up, clamped to the last one.
+  auto slot_of = [&](int at) -> int64_t { return $SLOT; };
   auto load_keys = [&](int at) {
-    if (at + KEYS <= block.end) {
+    if (!$PAGED && at + KEYS <= block.end) {
       const uint32_t key = static_cast<uint32_t>(at + g);
       const unsigned char* codes = k_base + key * static_cast<uint32_t>(KWB);
       const BT_GLOBAL __half* kscales = ks_base + key;
@@ -258,8 +261,8 @@ _BODY = """
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 8 * h + g, last));
-          aura_load_bytes<KLB, READ_ONLY>(k_base + key * static_cast<uint32_t>(KWB), kc[b][h]);
+          const int64_t key = slot_of(min(at + 16 * b + 8 * h + g, last));
+          aura_load_bytes<KLB, READ_ONLY>(k_base + key * KWB, kc[b][h]);
           ks[b][h] = bt_read_if<READ_ONLY>(ks_base + key);
           vs[b][h] = bt_read_if<READ_ONLY>(vs_base + key);
         }
@@ -267,7 +270,7 @@ _BODY = """
     }
   };
   auto load_values = [&](int at, uint32_t (&dst)[BLOCKS][4][VLW]) {
-    if (at + KEYS <= block.end) {
+    if (!$PAGED && at + KEYS <= block.end) {
       const unsigned char* codes = v_base + static_cast<uint32_t>(at + 2 * t) * static_cast<uint32_t>(VWB);
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
@@ -281,18 +284,19 @@ _BODY = """
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const uint32_t key = static_cast<uint32_t>(min(at + 16 * b + 2 * t + (i & 1) + 8 * (i >> 1), last));
-          aura_load_bytes<VLB, READ_ONLY>(v_base + key * static_cast<uint32_t>(VWB), dst[b][i]);
+          const int64_t key = slot_of(min(at + 16 * b + 2 * t + (i & 1) + 8 * (i >> 1), last));
+          aura_load_bytes<VLB, READ_ONLY>(v_base + key * VWB, dst[b][i]);
         }
       }
     }
   };
   // PREFETCH > 1: the step PREFETCH steps ahead is fetched into L2 (its lines spread over
-  // the lanes; none past the split's end), so the loads a step ahead find it there.
+  // the lanes; none past the split's end), so the loads a step ahead find it there. Not in
+  // pages, whose keys do not lie in consecutive lines.
   auto prefetch = [&](int at) {
     constexpr int KEY_LINES = KEYS * KWB / 128;
     constexpr int VALUE_LINES = KEYS * VWB / 128;
-    if (PREFETCH > 1 && at < block.end) {
+    if (PREFETCH > 1 && !$PAGED && at < block.end) {
       const int keys = min(KEYS, block.end - at);
 #pragma unroll
       for (int i = static_cast<int>(lane_id); i < KEY_LINES + VALUE_LINES + 2; i += BT_WARP_SIZE) {
@@ -329,10 +333,10 @@ _BODY = """
 #else
   const uint32_t dynamic_at = 0;  // an emulator's shared memory: its window starts here
 #endif
-  const uint32_t table = ALIGNED ? (dynamic_at + 0xFFFFu) & ~0xFFFFu : dynamic_at;
-  const uint32_t table_high = ALIGNED ? table : 0u;  // in every copy's offset, bits 16-31
-  const uint32_t table_base = ALIGNED ? 0u : table;  // added to every look-up's address
-  uint4* aura_lut = aura_dynamic + (table - dynamic_at) / 16;
+  const uint32_t tables_at = ALIGNED ? (dynamic_at + 0xFFFFu) & ~0xFFFFu : dynamic_at;
+  const uint32_t table_high = ALIGNED ? tables_at : 0u;  // in every copy's offset, bits 16-31
+  const uint32_t table_base = ALIGNED ? 0u : tables_at;  // added to every look-up's address
+  uint4* aura_lut = aura_dynamic + (tables_at - dynamic_at) / 16;
   const char* window = reinterpret_cast<const char*>(aura_dynamic);  // shared address 0 where emulated
   BT_SHARED float k_lv[256];
   BT_SHARED float v_lv[256];
@@ -461,7 +465,7 @@ _BODY = """
         bool coded = heads_here;
         if (!plain) {
           const int key = base + 16 * b + 8 * h + g;
-          coded = coded && aura_coded(slot_params, recent_slots, key, block.end);
+          coded = coded && aura_coded(slot_params, recent_slots + $RECENT_AT, key, block.end);
         }
         s[b][2 * h] = coded ? (s[b][2 * h] + s_odd[b][2 * h]) * kscale[b][h] : BT_NEG_INF;
         s[b][2 * h + 1] = coded && 2 * t + 1 < HEADS ? (s[b][2 * h + 1] + s_odd[b][2 * h + 1]) * kscale[b][h]
@@ -622,25 +626,27 @@ struct AuraKeyPerm {
 };
 """
 
-_KERNELS: dict[int, Kernel] = {}
+_KERNELS: dict[tuple[int, bool], Kernel] = {}
 
 
-def partials_kernel(shared: int) -> Kernel:
-    """The partials kernel with ``shared`` bytes of dynamic shared memory (one object per size)."""
-    if shared not in _KERNELS:
-        _KERNELS[shared] = Kernel(
-            name=f"butter_aura_decode_mma_partials_{shared}",
+def partials_kernel(shared: int, paged: bool = False) -> Kernel:
+    """The partials kernel with ``shared`` bytes of dynamic shared memory (one object per size), over
+    one cache's arrays or (``paged``) batched storage's pages (one more input, ``table``, and template
+    value, ``PAGE``; ``source.PAGED``)."""
+    if (shared, paged) not in _KERNELS:
+        _KERNELS[shared, paged] = Kernel(
+            name=f"butter_aura{'_paged' if paged else ''}_decode_mma_partials_{shared}",
             input_names=(
                 "queries", "signs", "key_codes", "key_scales", "value_codes", "value_scales",
-                "key_levels", "value_levels", "recent_slots", "params", "scale",
+                "key_levels", "value_levels", "recent_slots", "params", "scale", *(("table",) if paged else ()),
             ),
             output_names=("partial_acc", "partial_max", "partial_sum"),
             helpers=split_k.SPLIT_K_HELPERS + mma.MMA_SPLIT_K_HELPERS + HELPERS + _MMA_HELPERS,
-            body=_BODY,
+            body=PAGED_PREAMBLE + split_k.fill(_BODY, PAGED) if paged else split_k.fill(_BODY, DENSE),
             shared_memory=shared,
             mma=True,
         )
-    return _KERNELS[shared]
+    return _KERNELS[shared, paged]
 
 
 def serves(queries: mx.array, stored) -> bool:
@@ -676,11 +682,15 @@ def partials(
     aligned: bool | None = None,
     prefetch: int | None = None,
     splits: int | None = None,
+    table: mx.array | None = None,
+    page_size: int = 0,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
     slots; ``splits`` forces the split count (tests), else ``num_splits`` for at most
     ``per_sm`` threadgroups per multiprocessor (default: as many as fit); ``aligned``
-    forces the tables' layout (default: ``aligned_tables``)."""
+    forces the tables' layout (default: ``aligned_tables``). With ``table``, ``stored`` is
+    batched storage (``paged.PagedStored``, ``params`` one row per sequence) read in pages of
+    ``page_size`` slots, planned for its longest sequence."""
     batch, q_heads, _, dims = queries.shape
     kv_heads = stored.key_codes.shape[1]
     kc, vc = stored.key_codec, stored.value_codec
@@ -702,17 +712,19 @@ def partials(
         heads=heads, n_splits=splits, grid=(threads * blocks_per_split, splits, 1), threadgroup=(threads, 1, 1),
         output_shapes=split_k.partial_shapes(batch, q_heads, splits, dims),
     )
-    return partials_kernel(shared)(
+    paged = table is not None
+    return partials_kernel(shared, paged)(
         inputs=[
             queries, stored.rotation.signs, stored.key_codes, stored.key_scales, stored.value_codes,
             stored.value_scales, kc.book.levels_array(), vc.book.levels_array(), stored.recent_slots, params, scale,
+            *((table,) if paged else ()),
         ],
         template=[
             ("T", queries.dtype), ("D", dims), ("KB", kc.bits), ("VB", vc.bits), ("HEADS", launch.heads),
             ("WARPS", warps), ("BLOCKS", blocks),
             ("READ_ONLY", READ_ONLY_LOADS if read_only is None else read_only),
             ("AHEAD", default_ahead(kc.bits, vc.bits, dims) if ahead is None else ahead), ("ALIGNED", aligned),
-            ("PREFETCH", PREFETCH if prefetch is None else prefetch),
+            ("PREFETCH", PREFETCH if prefetch is None else prefetch), *((("PAGE", page_size),) if paged else ()),
         ],
         grid=launch.grid,
         threadgroup=launch.threadgroup,

@@ -172,6 +172,26 @@ def reference_decode_attention(queries, stored, scale, splits=None) -> mx.array:
     return reference.decode_attention(queries, stored, scale)
 
 
+def simt_paged_decode_attention(**inputs) -> mx.array:
+    """``paged.paged_decode_attention`` through the SIMT partials kernel (which a CUDA GPU with tensor
+    cores takes only where the tensor-core kernel does not serve)."""
+    return paged.paged_decode_attention(**inputs, method="simt")
+
+
+def mma_paged_decode_attention(*, splits: int | None = None, **inputs) -> mx.array:
+    """``paged.paged_decode_attention`` through the tensor-core partials kernel (``attention_mma``)."""
+    return paged.paged_decode_attention(**inputs, method="mma", splits=splits)
+
+
+def reference_paged_decode_attention(*, splits: int | None = None, **inputs) -> mx.array:
+    return paged.paged_decode_attention_reference(**inputs)
+
+
+def make_paged_split_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
+    """``make_paged_inputs``' inputs plus a forced split count (None: the kernel's own plan)."""
+    return {**make_paged_inputs(seed, **sizes), "splits": splits}
+
+
 def make_paged_inputs(seed: int, *, lengths: Sequence[int] = (1, 40, 200), page_size: int = 16, **sizes) -> dict:
     """Random ``paged.paged_decode_attention`` arguments: one ``make_stored`` layer per sequence (its
     codes, full-precision rows and ring with a stale and an empty entry), its slots scattered over
@@ -263,7 +283,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     ),
     KernelCheck(
         name="paged_decode_attention",
-        kernel=paged.paged_decode_attention,
+        kernel=simt_paged_decode_attention,
         reference=paged.paged_decode_attention_reference,
         make_inputs=make_paged_inputs,
         cases=(
@@ -314,6 +334,26 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
              "q_heads": 8, "kv_heads": 1, "encoded": False},
             {"length": 300, "allocated": 300, "ring_start": 4, "recent_end": 37},
             {"length": 48, "allocated": 48, "ring_start": 4, "recent_end": 10, "head_dim": 64, "dtype": mx.float16},
+        ),
+        rtol=ATTENTION_RTOL,
+        backends=frozenset({"cuda"}),  # 64 KB of dynamic shared memory, which Metal's custom kernels lack
+        tensor_cores=True,
+    ),
+    KernelCheck(
+        # The tensor-core kernel over batched storage: sequences of different lengths in scattered
+        # pages (of 16, 32 and 64 slots), each with its own ring and full-precision rows; every
+        # served (key, value) bits pair, both head sizes and query dtypes; forced splits.
+        name="paged_decode_attention_mma",
+        kernel=mma_paged_decode_attention,
+        reference=reference_paged_decode_attention,
+        make_inputs=make_paged_split_inputs,
+        cases=(
+            {},
+            {"lengths": (5,), "dtype": mx.float16, "head_dim": 64},
+            {"lengths": (300, 1, 64, 129), "page_size": 64, "q_heads": 16, "kv_heads": 4, "key_bits": 4,
+             "value_bits": 4},
+            {"lengths": (1200, 37), "page_size": 32, "q_heads": 32, "kv_heads": 8, "key_bits": 8, "value_bits": 4},
+            {"lengths": (700, 90), "key_bits": 8, "value_bits": 8, "dtype": mx.float16, "splits": 5},
         ),
         rtol=ATTENTION_RTOL,
         backends=frozenset({"cuda"}),  # 64 KB of dynamic shared memory, which Metal's custom kernels lack

@@ -1,7 +1,8 @@
 """AURA decode attention over batched storage: many sequences' codes in shared pages, each sequence's
 full-precision rows and recent ring its own (``butter_aura.sequences.FullPrecisionRows``).
 
-``paged_decode_attention`` runs ``attention``'s SIMT partials kernel and merge with each sequence's
+``paged_decode_attention`` runs ``attention``'s partials kernel (the tensor-core one of
+``attention_mma`` wherever it serves on CUDA, else the SIMT one) and merge with each sequence's
 expressions (its ``params`` row, ring, page table and full-precision rows) in place of one cache's,
 so a batched decode step reads every sequence's codes where they lie: one partials launch and one
 merge per layer for all sequences. ``paged_decode_attention_reference`` computes the same one
@@ -72,11 +73,13 @@ class PagedStored:
         return kernel_params(rows, mx.int32).reshape(len(self.lengths), 7)
 
 
-def paged_decode_attention(queries: mx.array, paged: PagedStored, scale: float) -> mx.array:
+def paged_decode_attention(queries: mx.array, paged: PagedStored, scale: float, *, method: str | None = None,
+                           splits: int | None = None) -> mx.array:
     """One query token per sequence (``queries`` ``[B, q_heads, 1, head_dim]``) over its pages, on the
-    GPU; the queries' dtype."""
+    GPU; the queries' dtype. ``method`` and ``splits`` as ``attention.paged_decode_attention_live``."""
     _check(queries, paged)
-    return attention.paged_decode_attention_live(queries, paged, paged.params(), kernel_params((scale,), mx.float32))
+    return attention.paged_decode_attention_live(queries, paged, paged.params(), kernel_params((scale,), mx.float32),
+                                                 method=method, splits=splits)  # fmt: skip
 
 
 def paged_decode_attention_reference(queries: mx.array, paged: PagedStored, scale: float) -> mx.array:

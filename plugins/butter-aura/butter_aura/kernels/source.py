@@ -13,6 +13,9 @@
 
 The two shared-memory helpers contain barriers: every thread of the threadgroup must
 call them.
+
+``DENSE`` and ``PAGED`` fill the decode kernels' open expressions (``split_k.fill``) for one
+cache's arrays and for batched storage's pages; ``PAGED_PREAMBLE`` opens a paged kernel.
 """
 
 HELPERS = """
@@ -142,3 +145,26 @@ BT_FUNC float aura_group_sum(float v, int group, BT_SHARED_PTR float* scratch, i
   return v;
 }
 """
+
+
+# ---- a sequence's expressions in the decode kernels' bodies (``split_k.fill``) ----
+
+DENSE = {
+    "$PAGED": "false", "$PARAMS_AT": "0", "$RECENT_AT": "0", "$RING": "recent_slots_shape[0]", "$KV_ROWS": "block.batch_kv_head",
+    "$SLOT": "at", "$FP_BASE": "(static_cast<int64_t>(sequence) * kv_heads + kv_head) * ROWS * D", "$FP_STRIDE": "D",
+}
+"""One cache's arrays: ``params`` and ``recent_slots`` shared by its batch, fp rows ``[batch, heads, ROWS, D]``;
+key ``at`` in slot ``at`` (``$PAGED`` false)."""
+
+PAGED = {
+    "$PAGED": "true", "$PARAMS_AT": "static_cast<int64_t>(sequence) * 7", "$RECENT_AT": "static_cast<int64_t>(sequence) * recent_slots_shape[1]",
+    "$RING": "recent_slots_shape[1]", "$KV_ROWS": "block.kv_head",
+    "$SLOT": "(static_cast<int64_t>(table[static_cast<int64_t>(sequence) * table_shape[1] + at / PAGE]) * PAGE + at % PAGE)",
+    "$FP_BASE": "(static_cast<int64_t>(sequence_rows[sequence]) * ROWS * kv_heads + kv_head) * D",
+    "$FP_STRIDE": "kv_heads * D",
+}
+"""Batched storage (``paged``): per sequence ``params`` ``[B, 7]`` and ``recent_slots`` ``[B, ring]``,
+codes in pages read through ``table``, fp rows ``[sequences * ROWS, heads, D]`` at ``sequence_rows``."""
+
+PAGED_PREAMBLE = "  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], key_codes_shape[1]);\n"
+"""What a paged partials kernel opens with: the sequence its threadgroup serves (``PAGED`` reads it)."""
