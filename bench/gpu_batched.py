@@ -14,7 +14,9 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
   step, each step's graph built while the previous evaluates (``mx.async_eval``), as its
   ``GenerationBatch`` does; decode tok/s = B * (steps - 1) / time between first and last.
 
-Peak memory is MLX's, reset before each run. ``--page-size`` runs each butter scheme at each
+Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
+before), and split into the KV storage allocated at the end of the run (butter's pages and
+per-sequence rows; mlx-lm's batch caches) and the rest (activations, prefill transients). ``--page-size`` runs each butter scheme at each
 page size (``scheme@pN``; default ``batched.PAGE_SIZE``). "floor" is the aggregate tok/s a
 step would reach if it only read the model's weights once and every sequence's live KV
 bytes once, at the read bandwidth measured at start (a sum over a large array): issue 33's
@@ -89,7 +91,7 @@ def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int = P
             arrivals.append((sequence, time.perf_counter() - start))
     first, rate = steady_decode_rate(arrivals)
     return {"first_s": first, "tok_s": rate, "peak_gib": mx.get_peak_memory() / 2**30,
-            "bytes_per_position": caches.bytes_per_position}  # fmt: skip
+            "kv_gib": caches.nbytes_allocated / 2**30, "bytes_per_position": caches.bytes_per_position}  # fmt: skip
 
 
 def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
@@ -110,7 +112,7 @@ def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
     times = pipelined_decode(step, prompts[:, -1], decode, start)
     args = model.args
     return {"first_s": times[0], "tok_s": batch * (decode - 1) / (times[-1] - times[0]),
-            "peak_gib": mx.get_peak_memory() / 2**30,
+            "peak_gib": mx.get_peak_memory() / 2**30, "kv_gib": sum(c.nbytes for c in caches) / 2**30,
             "bytes_per_position": args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 2}  # fmt: skip
 
 
@@ -176,8 +178,8 @@ def main() -> None:
             step_bytes = weights + batch * (args.context + args.decode_tokens / 2) * r["bytes_per_position"]
             floor = batch * bandwidth / step_bytes
             print(f"B={batch:<3} {name:<13} {r['tok_s']:9.1f} tok/s  all first tokens {r['first_s']:6.2f} s  "
-                  f"peak {r['peak_gib']:6.1f} GiB  floor {floor:8.0f} tok/s ({r['tok_s'] / floor:.2f} of it)  {ratio}",
-                  flush=True)  # fmt: skip
+                  f"peak {r['peak_gib']:6.2f} GiB (KV {r['kv_gib']:.2f}, the rest {r['peak_gib'] - r['kv_gib']:.2f})  "
+                  f"floor {floor:8.0f} tok/s ({r['tok_s'] / floor:.2f} of it)  {ratio}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
