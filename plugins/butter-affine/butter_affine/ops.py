@@ -114,8 +114,8 @@ def traced_quantize(bits: int, group_size: int) -> Quantize:
 
 def kernel_decode(*, tensor_cores: bool) -> Decode:
     """Single-token attention by a fused decode kernel (``decode_mma`` where
-    ``tensor_cores`` and the queries are float16/bfloat16, else ``decode``), from a cache's
-    stacks, traced by ``mx.compile`` once per buffer shape (``compile_by_shape``) and
+    ``tensor_cores`` and the queries are float16/bfloat16, reading the stacks in place; else
+    ``decode``, through views of the stacks' members), from a cache's stacks, traced by ``mx.compile`` once per buffer shape (``compile_by_shape``) and
     replayed every step: the live length and the scale reach the kernel as device arrays
     (``decode_attention_live``), so the call's graph does not change between steps, only
     when the buffers grow. Replaying costs far less host time than building the call
@@ -123,9 +123,10 @@ def kernel_decode(*, tensor_cores: bool) -> Decode:
     "plugins/butter-affine/butter_affine/ops.py")."""
 
     def graph(queries, codes, scales_biases, live, scale):
+        if tensor_cores and queries.dtype in decode_mma.SUPPORTED_DTYPES:
+            return decode_mma.decode_attention_stacks(queries, codes, scales_biases, live=live, scale=scale)
         buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
-        kernel = decode_mma if tensor_cores and queries.dtype in decode_mma.SUPPORTED_DTYPES else decode
-        return kernel.decode_attention_live(queries, *(buffers[name] for name in BUFFERS), live=live, scale=scale)
+        return decode.decode_attention_live(queries, *(buffers[name] for name in BUFFERS), live=live, scale=scale)
 
     traced = compile_by_shape(graph)
 

@@ -264,14 +264,15 @@ def test_kernel_decode_keeps_float32_queries_on_the_float32_kernel(monkeypatch):
     stand-ins outlives the test)."""
     calls = []
 
-    def stand_in(name):
+    def stand_in(name, arrays):
         def attend(queries, *buffers, live, scale):
             calls.append(name)
+            assert len(buffers) == arrays  # the six buffers' views, or the two stacks read in place
             return queries * scale
         return attend
 
-    monkeypatch.setattr(decode, "decode_attention_live", stand_in("fused"))
-    monkeypatch.setattr(decode_mma, "decode_attention_live", stand_in("mma"))
+    monkeypatch.setattr(decode, "decode_attention_live", stand_in("fused", 6))
+    monkeypatch.setattr(decode_mma, "decode_attention_stacks", stand_in("mma", 2))
     stacks = stack({name: mx.zeros((1, 1, 16, 1), mx.bfloat16) for name in BUFFERS})
     attend = ops.kernel_decode(tensor_cores=True)
     attend(mx.zeros((1, 1, 1, 128), mx.float32), stacks, 4, 0.1)
@@ -403,3 +404,16 @@ def test_batched_storage_decodes_on_tensor_cores_where_one_sequence_does():
             cache.paged_decode(inputs["queries"], buffers, inputs["table"], inputs["lengths"], inputs["page_size"],
                                inputs["length"], inputs["scale"])
         assert [b.kernel.name for b in builds][0] == expected
+
+
+STACKED_MMA_CHECK = next(c for c in KERNEL_CHECKS if c.name == "stacked_decode_attention_mma")
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
+def test_stacked_tensor_core_decode_matches_reference_under_the_cuda_emulator():
+    """The tensor-core kernel reading a cache's stacks in place (a traced decode step's), two
+    sequences of a batch so the member offsets span both (every case: ``python -m
+    butter_core.kernels.cuda_emulator affine stacked_decode_attention_mma``)."""
+    with emulated_cuda():
+        result = STACKED_MMA_CHECK.check(seed=13, **STACKED_MMA_CHECK.cases[3])
+    assert result.passed, result

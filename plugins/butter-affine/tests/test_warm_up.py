@@ -24,7 +24,7 @@ LONG_ALLOCATION = 230_000
 
 
 def key_blocks(builds) -> set[int]:
-    return {dict(b.template)["KB"] for b in builds if b.kernel.name == "butter_affine_decode_mma_partials"}
+    return {dict(b.template)["KB"] for b in builds if b.kernel.name == "butter_affine_stacked_decode_mma_partials"}
 
 
 def test_warm_up_builds_the_long_run_variant_a_long_generation_uses(tmp_path):

@@ -200,6 +200,25 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         tensor_cores=True,
     ),
     KernelCheck(
+        # The tensor-core kernel reading a cache's stacks in place (what a traced decode step
+        # runs): every code width, both head sizes and query dtypes, batches, forced splits.
+        name="stacked_decode_attention_mma",
+        kernel=decode_mma.decode_attention_stacked,
+        reference=decode_mma.decode_attention_check_reference,
+        make_inputs=decode_mma.make_check_inputs,
+        cases=(
+            {"q_heads": 32, "kv_heads": 8, "length": 200, "allocated": 256},
+            {"bits": 8, "group_size": 64, "head_dim": 64, "q_heads": 4, "kv_heads": 4, "length": 33,
+             "allocated": 48, "splits": 6, "dtype": mx.float16},
+            {"bits": 6, "group_size": 32, "q_heads": 32, "kv_heads": 8, "length": 257, "allocated": 300},
+            {"head_dim": 64, "q_heads": 16, "kv_heads": 1, "length": 300, "allocated": 512, "batch": 2},
+            {"bits": 8, "head_dim": 256, "q_heads": 16, "kv_heads": 2, "length": 100, "allocated": 128,
+             "dtype": mx.float16, "batch": 3},
+        ),
+        rtol={mx.bfloat16: 5e-3, mx.float16: 1.5e-3},
+        tensor_cores=True,
+    ),
+    KernelCheck(
         name="paged_decode_attention_mma",
         kernel=decode_mma.paged_decode_attention,
         reference=decode_mma.paged_decode_attention_check_reference,

@@ -66,7 +66,7 @@ from butter_affine.kernels.decode import (
     make_paged_inputs,
     paged_decode_attention_reference,
 )
-from butter_affine.packing import BUFFERS, PackedFormat
+from butter_affine.packing import BUFFERS, PackedFormat, stack
 
 SUPPORTED_BITS = (4, 6, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -346,6 +346,33 @@ _PARTIALS = Kernel(
                                        "$TABLE": "length, 0"}),
 )
 
+STACK_MEMBERS = """
+  // The six buffers as members of a cache's two stacks (packing.STACKS): codes [2, B, H, S, W]
+  // (keys, values), scales and biases [4, B, H, S, G] (key scales, key biases, value scales,
+  // value biases), read in place, so a traced decode step takes no views of them.
+  const int64_t codes_member = static_cast<int64_t>(codes_shape[1]) * codes_shape[2] * codes_shape[3] * codes_shape[4];
+  const int64_t scales_member =
+      static_cast<int64_t>(scales_biases_shape[1]) * scales_biases_shape[2] * scales_biases_shape[3] * scales_biases_shape[4];
+  const auto key_codes = codes;
+  const auto value_codes = codes + codes_member;
+  const auto key_scales = scales_biases;
+  const auto key_biases = scales_biases + scales_member;
+  const auto value_scales = scales_biases + 2 * scales_member;
+  const auto value_biases = scales_biases + 3 * scales_member;
+  const auto key_codes_shape = &codes_shape[1];
+"""
+"""What the stacked kernel opens with: the six buffers' names bound to their stack members."""
+
+_STACKED_PARTIALS = Kernel(
+    name="butter_affine_stacked_decode_mma_partials",
+    input_names=("queries", "codes", "scales_biases", "length", "scale"),
+    output_names=("partial_acc", "partial_max", "partial_sum"),
+    mma=True,
+    helpers=_HELPERS,
+    body=STACK_MEMBERS + split_k.fill(_PARTIALS_BODY, {"$LIVE": "length[0]", "$KV_ROWS": "block.batch_kv_head",
+                                                       "$PAGE": "0", "$TABLE": "length, 0"}),
+)
+
 _PAGED_PARTIALS = Kernel(
     name="butter_affine_paged_decode_mma_partials",
     input_names=("queries", *BUFFERS, "table", "lengths", "scale"),
@@ -391,6 +418,38 @@ def decode_attention_live(
     return split_k.merge_partials(acc, maxes, sums, queries.dtype)
 
 
+def decode_attention_stacks(
+    queries: mx.array, codes: mx.array, scales_biases: mx.array, *, live: mx.array, scale: mx.array,
+    splits: int | None = None,
+) -> mx.array:
+    """``decode_attention_live`` from a cache's two stacks (``packing.STACKS``: codes ``[2, B,
+    n_kv_heads, S, words]``, scales and biases ``[4, B, n_kv_heads, S, groups]``) read in place, as
+    a traced decode step calls it (``ops.kernel_decode``): no view of a member is taken, so the
+    step's graph holds two nodes fewer per stack member than through ``decode_attention_live``.
+    The splits are planned for every allocated slot."""
+    if codes.ndim != 5 or codes.shape[0] != 2 or scales_biases.ndim != 5 or scales_biases.shape[0] != 4:
+        raise ValueError(f"codes must be a [2, B, heads, slots, words] stack and scales_biases a [4, ...] one; got "
+                         f"{codes.shape} and {scales_biases.shape}")
+    fmt = _check_args(queries, codes[0], scales_biases[0], codes[1], codes.shape[3])
+    acc, maxes, sums = _partials(_STACKED_PARTIALS, fmt, queries, [codes, scales_biases], [live, scale],
+                                 codes.shape[3], splits, kv_heads=codes.shape[2])
+    return split_k.merge_partials(acc, maxes, sums, queries.dtype)
+
+
+def decode_attention_stacked(
+    queries: mx.array,
+    key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
+    value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
+    *, length: int, scale: float, splits: int | None = None,
+) -> mx.array:
+    """``decode_attention``'s arguments through ``decode_attention_stacks`` (the buffers stacked
+    first, as a cache keeps them): its check's entry."""
+    stacks = stack(dict(zip(BUFFERS, (key_codes, key_scales, key_biases, value_codes, value_scales, value_biases))))
+    return decode_attention_stacks(queries, stacks["codes"], stacks["scales_biases"],
+                                   live=kernel_params((length,), mx.int32), scale=kernel_params((scale,), mx.float32),
+                                   splits=splits)  # fmt: skip
+
+
 def partials(
     queries: mx.array,
     key_codes: mx.array, key_scales: mx.array, key_biases: mx.array,
@@ -420,14 +479,16 @@ def paged_decode_attention(
 
 
 def _partials(kernel: Kernel, fmt: PackedFormat, queries: mx.array, buffers: list[mx.array], extra: list[mx.array],
-              planned: int, splits: int | None, template: list | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """Either partials kernel's launch (inputs ``queries, *buffers, *extra``), split-K planned for
-    ``planned`` keys, ``template`` added to the shared one."""
+              planned: int, splits: int | None, template: list | None = None,
+              kv_heads: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """A partials kernel's launch (inputs ``queries, *buffers, *extra``), split-K planned for
+    ``planned`` keys, ``template`` added to the shared one; ``kv_heads`` where ``buffers[0]`` is
+    not ``[B, kv_heads, ...]`` (a stack)."""
     if not supports(fmt, queries.dtype):
         raise ValueError(f"the tensor-core decode kernel does not handle {fmt} with {queries.dtype} queries")
     batch, q_heads, _, dims = queries.shape
     launch = split_k.plan(
-        batch=batch, q_heads=q_heads, kv_heads=buffers[0].shape[1], dims=dims, length=planned, warps=WARPS,
+        batch=batch, q_heads=q_heads, kv_heads=kv_heads or buffers[0].shape[1], dims=dims, length=planned, warps=WARPS,
         max_heads=mma.max_heads(dims, WARPS), min_keys=MIN_KEYS_PER_SPLIT, target_blocks=TARGET_BLOCKS,
         splits=splits,
     )
