@@ -60,6 +60,7 @@ from butter_core.recurrent import GATED_DELTA, MAMBA2, GatedDeltaMixer, Mamba2Mi
 from butter_core.registry import CacheScheme, EvictionPolicy
 from butter_core.sequence_state import SequenceState, Written
 from butter_core.slots import BufferedSlotCache, Layout, SlotBuffers, Stacks, unstack
+from butter_core.working_set import PrefillPipeline
 
 __all__ = [
     "ATTENTION",
@@ -83,6 +84,7 @@ __all__ = [
     "Mamba2Mixer",
     "Mask",
     "PluginError",
+    "PrefillPipeline",
     "SequenceState",
     "SlotBuffers",
     "SlotCache",

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import re
 
-from butter_core.plugin_api import CacheScheme, hookimpl
+from butter_core.plugin_api import CacheScheme, PrefillPipeline, hookimpl
 
 from butter_affine.cache import AffineCache
 from butter_affine.kind import AFFINE_BITS, Affine
-from butter_affine.working_set import PrefillPipeline
 
-__all__ = ["Affine", "AffineCache", "PrefillPipeline", "butter_register_cache_schemes", "parse"]
+__all__ = ["Affine", "AffineCache", "butter_register_cache_schemes", "parse"]
 
 _NAME = re.compile(r"affine(\d+)(?:g(\d+))?")
 EXAMPLES = ("affine4", "affine6", "affine8", "affine4g64", "affine8g32")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, default_device_is_gpu, gpu_backend
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, PrefillPipeline, default_device_is_gpu, gpu_backend
 
 from butter_affine.kernels import decode, decode_mma
 from butter_affine.kind import Affine
 from butter_affine.ops import AffineOps, select_ops
 from butter_affine.packing import BUFFERS, STACKS, PackedFormat
-from butter_affine.working_set import PrefillPipeline
 
 
 class AffineCache(BufferedSlotCache):
@@ -25,7 +24,7 @@ class AffineCache(BufferedSlotCache):
     overwritten slot (window eviction) keeps nothing of its previous codes, scales or
     biases. Multi-token attention dequantizes the live slots and uses MLX's SDPA, then
     hands its output to ``pipeline`` (shared by the layers of one model; None: no
-    bound) so that few layers' dequantized K/V exist at once (``working_set``);
+    bound) so that few layers' dequantized K/V exist at once (``butter_core.working_set``);
     single-token attention uses the fastest path of this backend (``ops``). In batched storage
     (``butter_core.batched``) on a GPU, a decode step reads every sequence's codes in place
     through its page table (``kernels.decode_mma.paged_decode_attention`` on CUDA's tensor

@@ -8,8 +8,7 @@ from butter_core import ConfigError, LayerSpec, Window, make_layer_caches, parse
 from butter_core.slots import unstack
 
 from butter_affine import Affine
-import butter_affine.working_set as working_set
-from butter_affine import AffineCache, PrefillPipeline, parse
+from butter_affine import AffineCache, parse
 from butter_affine.ops import select_ops
 from butter_affine.packing import BUFFERS, STACKS, PackedFormat
 
@@ -103,17 +102,6 @@ def test_parse_rejects_unsupported_parameters(text):
 def test_group_must_divide_head_dim():
     with pytest.raises(ConfigError, match="does not divide head_dim"):
         make_layer_caches(Affine(4, 128), [LayerSpec(n_kv_heads=1, head_dim=64, max_positions=8)])
-
-
-def test_prefill_pipeline_waits_for_all_but_the_newest(monkeypatch):
-    monkeypatch.setattr(working_set, "default_device_is_gpu", lambda: True)
-    pipeline = PrefillPipeline(depth=1)
-    outs = [mx.arange(4) * i for i in range(3)]
-    for out in outs:
-        pipeline.submit(out)
-    assert len(pipeline._in_flight) == 1 and pipeline._in_flight[0] is outs[-1]
-    with pytest.raises(ValueError):
-        PrefillPipeline(depth=-1)
 
 
 def test_layers_of_one_model_share_one_pipeline():

@@ -5,7 +5,7 @@ kernel output is a fresh array and the allocator recycles a buffer once the last
 using it is gone; layer n's dequantized K/V die when its attention has run, so layer
 n + 1 reuses their memory. This measures it: a 16-token chunk through 30 layers that
 each hold 2048 positions, evaluated as one graph, as a model's forward is. (On CUDA
-the same graph keeps ~20 layers' worth alive; ``butter_affine.working_set`` says why and
+the same graph keeps ~20 layers' worth alive; ``butter_core.working_set`` says why and
 how ``PrefillPipeline`` bounds it; ``bench/gpu_affine.py`` measures both.)
 """
 
@@ -40,7 +40,7 @@ def working_set(kind: str, layers: int = LAYERS) -> int:
 
 
 @pytest.mark.skipif(mx.default_device() == mx.gpu, reason="a CPU property: on a GPU MLX keeps more layers' "
-                    "intermediates alive and PrefillPipeline bounds them (butter_affine.working_set)")
+                    "intermediates alive and PrefillPipeline bounds them (butter_core.working_set)")
 @pytest.mark.parametrize("kind", ["affine4", "affine8"])
 def test_working_set_is_one_layer(kind):
     """It does not grow with the number of layers, and stays within one layer's

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from butter_core.plugin_api import CacheScheme, ConfigError, hookimpl
+from butter_core.plugin_api import CacheScheme, ConfigError, PrefillPipeline, hookimpl
 
 from butter_aura.cache import AuraCache
 from butter_aura.codebooks import available_bits
@@ -38,10 +38,12 @@ def parse(text: str) -> Aura | None:
 
 
 def create(kind: Aura, specs) -> list[AuraCache]:
-    """One cache per attention layer; GPU kernels where MLX's default device is a GPU that can run them."""
+    """One cache per attention layer; GPU kernels where MLX's default device is a GPU that can run them;
+    one ``PrefillPipeline`` shared by the layers (few layers' dequantized K/V alive at once in a prefill)."""
     from butter_aura.kernels import ops_for
 
-    return [AuraCache(spec, kind, ops=ops_for(spec)) for spec in specs]
+    pipeline = PrefillPipeline()
+    return [AuraCache(spec, kind, ops=ops_for(spec), pipeline=pipeline) for spec in specs]
 
 
 def kernel_checks():

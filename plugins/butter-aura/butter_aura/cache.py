@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.plugin_api import BufferedSlotCache, ConfigError, LayerSpec, attend, kernel_params
+from butter_core.plugin_api import BufferedSlotCache, ConfigError, LayerSpec, PrefillPipeline, attend, kernel_params
 
 from butter_aura import reference
 from butter_aura.codec import SCALE_DTYPE
@@ -49,6 +49,10 @@ class AuraCache(BufferedSlotCache):
     Re-encoding a slot writes whole new code words, so nothing of a slot's previous
     contents survives (window eviction overwrites slots).
 
+    A multi-token attention's output goes to ``pipeline`` (shared by the layers of one model;
+    None: no bound), so that on a GPU few layers' decoded K/V exist at once in a prefill
+    (``butter_core.working_set``), as butter-affine's caches do.
+
     ``ops`` runs encode/decode_attention/dequantize: ``kernels.ops_for(spec)`` picks, when
     the scheme creates caches, ``butter_aura.kernels.GPU_OPS`` on a GPU that serves the
     head size, else ``butter_aura.cpu`` (pure mx, fast on the CPU); ``butter_aura.reference``
@@ -56,8 +60,10 @@ class AuraCache(BufferedSlotCache):
     base seed of the layer's rotation.
     """
 
-    def __init__(self, spec: LayerSpec, kind: Aura, *, seed: int = DEFAULT_SEED, ops=None):
+    def __init__(self, spec: LayerSpec, kind: Aura, *, seed: int = DEFAULT_SEED, ops=None,
+                 pipeline: PrefillPipeline | None = None):
         self.kind = kind
+        self.pipeline = pipeline
         self.key_codec, self.value_codec = codecs(kind, spec.head_dim)
         layout = {
             "key_codes": (self.key_codec.words, mx.uint32),
@@ -241,7 +247,7 @@ class AuraCache(BufferedSlotCache):
         if queries.shape[2] == 1 and mask is None:
             return self.ops.decode_attention(queries, self.stored(), scale)
         keys, values = self.load(self.length)
-        return attend(queries, keys, values, scale=scale, mask=mask)
+        return self._submitted(attend(queries, keys, values, scale=scale, mask=mask))
 
     def store_and_attend(self, start, keys, values, position, queries, *, scale, mask):
         """A chunk's queries see the chunk's own keys and values as they arrived, not decoded from
@@ -253,7 +259,14 @@ class AuraCache(BufferedSlotCache):
         past_keys, past_values = self.load(start)
         keys = mx.concatenate([past_keys, keys.astype(self.spec.dtype)], axis=2)
         values = mx.concatenate([past_values, values.astype(self.spec.dtype)], axis=2)
-        return attend(queries, keys, values, scale=scale, mask=mask)
+        return self._submitted(attend(queries, keys, values, scale=scale, mask=mask))
+
+    def _submitted(self, out: mx.array) -> mx.array:
+        """A multi-token attention's output, handed to ``pipeline`` (None: no bound) so that few
+        layers' decoded K/V exist at once on a GPU (``butter_core.working_set``)."""
+        if self.pipeline is not None and out.shape[2] > 1:
+            self.pipeline.submit(out)
+        return out
 
     # -- state and accounting --------------------------------------------------
 

@@ -6,7 +6,7 @@ is ever copied; it writes ``[B, H, length, D]`` keys and values. One thread deco
 consecutive values of one row: ``code * scale + bias`` in float32, rounded once.
 
 The seed shares one working buffer between all layers of a model; MLX has none, and
-how many layers' outputs of this kernel are alive at once is ``working_set``'s subject.
+how many layers' outputs of this kernel are alive at once is ``butter_core.working_set``'s subject.
 """
 
 from __future__ import annotations

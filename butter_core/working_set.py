@@ -1,7 +1,8 @@
 """``PrefillPipeline``: the MLX form of the seed's one working buffer shared by all layers.
 
-Multi-token attention dequantizes a layer's whole live K/V (``[B, H, length, D]`` in
-the model dtype) for MLX's SDPA. The seed dequantizes every layer into one shared pair
+A compressed scheme's multi-token attention dequantizes a layer's whole live K/V (``[B, H,
+length, D]`` in the model dtype) for MLX's SDPA (butter-affine, butter-aura: each shares one
+pipeline between the caches of a model). The seed dequantizes every layer into one shared pair
 of buffers. MLX has no such thing (a kernel's output is a fresh array), but its
 allocator reuses a buffer once nothing needs it, so what matters is how long each
 layer's dequantized K/V stay alive:
@@ -18,8 +19,9 @@ multi-token attention it submits that layer (``mx.async_eval``) and waits for th
 layer before it, so the GPU always has the next layer queued while at most
 ``depth + 1`` layers' dequantized K/V exist; the step is faster too, sparing the one
 graph's fresh allocations. Measurements: docs/benchmarks.md,
-"plugins/butter-affine/butter_affine/working_set.py". Single-token attention never goes
-through it (on CUDA it reads the codes and dequantizes nothing).
+"plugins/butter-affine/butter_affine/working_set.py" (where it lived before both schemes used
+it). Single-token attention never goes through it (on CUDA it reads the codes and
+dequantizes nothing).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections import deque
 
 import mlx.core as mx
 
-from butter_core.plugin_api import default_device_is_gpu
+from butter_core.kernels import default_device_is_gpu
 
 
 class PrefillPipeline:
