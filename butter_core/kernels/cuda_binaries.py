@@ -167,14 +167,21 @@ def _check(result: int, what: str) -> None:
 
 
 @functools.cache
-def _nvrtc_version_text() -> str:
-    """NVRTC's version and the device's compute capability: part of every build's digest."""
-    if cuda_compute_capability() is None:
-        return "no-device"
+def _nvrtc_version() -> tuple[int, int]:
+    """The NVRTC library's (major, minor) version."""
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(_nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+@functools.cache
+def _nvrtc_version_text() -> str:
+    """NVRTC's version and the device's compute capability: part of every build's digest."""
     cc = cuda_compute_capability()
-    return f"nvrtc {major.value}.{minor.value} sm {cc[0]}.{cc[1]}"
+    if cc is None:
+        return "no-device"
+    major, minor = _nvrtc_version()
+    return f"nvrtc {major}.{minor} sm {cc[0]}.{cc[1]}"
 
 
 @functools.cache
@@ -186,14 +193,13 @@ def include_paths() -> tuple[str, ...]:
     mlx_root = Path(mx.__file__).resolve().parents[0]
     if mlx_root.name == "core":
         mlx_root = mlx_root.parent
-    found = [mlx_root / "include", mlx_root / "include" / "cccl"]
+    found = [mlx_root / "include"]
     found += [mlx_root.parent / "nvidia" / name / "include" for name in ("cu13", "cuda_runtime")]
     for env in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(env):
             found.append(Path(os.environ[env]) / "include")
     found.append(Path("/usr/local/cuda/include"))
-    found = [p for path in found for p in (path, path / "cccl") if path.name != "cccl" or p == path]
-    return tuple(dict.fromkeys(str(path) for path in found if path.is_dir()))
+    return tuple(dict.fromkeys(str(path) for root in found for path in (root, root / "cccl") if path.is_dir()))
 
 
 def compile_source(source: str, symbol: str, capability: tuple[int, int] | None = None) -> bytes:
@@ -204,9 +210,7 @@ def compile_source(source: str, symbol: str, capability: tuple[int, int] | None 
     cc = capability or cuda_compute_capability()
     if cc is None:
         raise CudaBinaryError("no CUDA device compute capability reported by MLX")
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    _check(nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-    cubin = (major.value, minor.value) >= (11, 8)
+    cubin = _nvrtc_version() >= (11, 8)
     arch = f"--gpu-architecture={'sm' if cubin else 'compute'}_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''}"
     options = [arch, *COMPILE_OPTIONS, *(f"--include-path={path}" for path in include_paths())]
     program = ctypes.c_void_p()

@@ -336,14 +336,16 @@ _PARTIALS_BODY = r"""
 run of the buffers is this block's), ``$PAGE`` (0: the cache's own rows, key ``at`` in row ``at``;
 else the page size) and ``$TABLE`` (the page table and this sequence's offset into it)."""
 
+_DENSE = {"$LIVE": "length[0]", "$KV_ROWS": "block.batch_kv_head", "$PAGE": "0", "$TABLE": "length, 0"}
+"""The partials body's expressions for one cache's own buffers (the contiguous and stacked kernels)."""
+
 _PARTIALS = Kernel(
     name="butter_affine_decode_mma_partials",
     input_names=("queries", *BUFFERS, "length", "scale"),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     mma=True,
     helpers=_HELPERS,
-    body=split_k.fill(_PARTIALS_BODY, {"$LIVE": "length[0]", "$KV_ROWS": "block.batch_kv_head", "$PAGE": "0",
-                                       "$TABLE": "length, 0"}),
+    body=split_k.fill(_PARTIALS_BODY, _DENSE),
 )
 
 STACK_MEMBERS = """
@@ -369,8 +371,7 @@ _STACKED_PARTIALS = Kernel(
     output_names=("partial_acc", "partial_max", "partial_sum"),
     mma=True,
     helpers=_HELPERS,
-    body=STACK_MEMBERS + split_k.fill(_PARTIALS_BODY, {"$LIVE": "length[0]", "$KV_ROWS": "block.batch_kv_head",
-                                                       "$PAGE": "0", "$TABLE": "length, 0"}),
+    body=STACK_MEMBERS + split_k.fill(_PARTIALS_BODY, _DENSE),
 )
 
 _PAGED_PARTIALS = Kernel(
