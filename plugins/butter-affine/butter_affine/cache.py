@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, PrefillPipeline, default_device_is_gpu, gpu_backend
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, PrefillPipeline
 
-from butter_affine.kernels import decode, decode_mma
 from butter_affine.kind import Affine
-from butter_affine.ops import AffineOps, select_ops
+from butter_affine.ops import AffineOps, decode_kernel, select_ops
 from butter_affine.packing import BUFFERS, STACKS, PackedFormat
 
 
@@ -49,11 +48,9 @@ class AffineCache(BufferedSlotCache):
         return self.ops.dequantize(rows, slots)
 
     def paged_decode(self, queries, buffers, table, lengths, page_size, length, scale):
-        if not (default_device_is_gpu() and gpu_backend() is not None and decode.supports(self.format, queries.dtype)):
+        kernel = decode_kernel(self.format, queries.dtype)
+        if kernel is None:
             return None
-        tensor_cores = (gpu_backend() == "cuda" and decode_mma.supports(self.format, queries.dtype)
-                        and decode_mma.available())  # as ``ops.select_ops`` chooses for one sequence
-        kernel = decode_mma if tensor_cores else decode
         return kernel.paged_decode_attention(queries, *(buffers[name] for name in BUFFERS), table=table, lengths=lengths,
                                              page_size=page_size, length=length, scale=scale)  # fmt: skip
 

@@ -97,11 +97,26 @@ def select_ops(fmt: PackedFormat) -> AffineOps:
         ),
         decode=None,
     )
-    if backend == "cuda" and decode_mma.supports(fmt, fmt.dtype) and decode_mma.available():
-        ops = attrs.evolve(ops, name="cuda kernels, tensor-core fused decode", decode=shared_kernel_decode(True))
-    elif backend == "cuda" and decode.supports(fmt, fmt.dtype):
-        ops = attrs.evolve(ops, name="cuda kernels, fused decode", decode=shared_kernel_decode(False))
+    kernel = decode_kernel(fmt, fmt.dtype)
+    if backend == "cuda" and kernel is not None:
+        tensor_cores = kernel is decode_mma
+        ops = attrs.evolve(ops, name=f"cuda kernels, {'tensor-core ' if tensor_cores else ''}fused decode",
+                           decode=shared_kernel_decode(tensor_cores))
     return ops
+
+
+def decode_kernel(fmt: PackedFormat, queries_dtype: mx.Dtype):
+    """The fused decode kernel module (``kernels.decode_mma`` or ``kernels.decode``) that
+    serves ``fmt`` with ``queries_dtype`` on the GPU MLX runs on now, or None (no GPU, or
+    neither serves it): the tensor-core kernel on CUDA where it serves the format, else the
+    SIMT one. One sequence's decode (``select_ops``, CUDA only) and batched storage's paged
+    decode (every GPU) both choose by it."""
+    backend = gpu_backend() if default_device_is_gpu() else None
+    if backend == "cuda" and decode_mma.supports(fmt, queries_dtype) and decode_mma.available():
+        return decode_mma
+    if backend is not None and decode.supports(fmt, queries_dtype):
+        return decode
+    return None
 
 
 @cache
