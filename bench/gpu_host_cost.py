@@ -34,7 +34,7 @@ from butter_affine.kernels import decode_mma, quantize
 from butter_affine.kernels.decode import make_inputs as affine_inputs
 from butter_affine.packing import BUFFERS, stack
 from butter_aura.kernels import attention
-from butter_aura.kernels.checks import make_split_inputs
+from butter_aura.kernels.checks import make_stored
 from butter_core.kernels import Kernel, cuda_binaries
 from butter_core.kernels import kernel as kernel_module
 from butter_core.kernels.dialect import kernel_header, kernel_source
@@ -79,7 +79,7 @@ def source_sizes() -> None:
 
 
 def decode_calls() -> None:
-    aura = make_split_inputs(0, length=LENGTH, allocated=LENGTH + 256, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+    aura = make_stored(0, length=LENGTH, allocated=LENGTH + 256, q_heads=Q_HEADS, kv_heads=KV_HEADS,
                              dtype=mx.bfloat16)
     affine = affine_inputs(0, bits=4, group_size=32, length=LENGTH, allocated=LENGTH + 256, q_heads=Q_HEADS,
                            kv_heads=KV_HEADS, dtype=mx.bfloat16)

@@ -27,7 +27,7 @@ from butter_affine.kernels import decode_mma
 from butter_affine.kernels.decode import make_inputs as affine_inputs
 from butter_affine.packing import BUFFERS
 from butter_aura.kernels import attention
-from butter_aura.kernels.checks import make_split_inputs
+from butter_aura.kernels.checks import make_stored
 from butter_core.kernels import kernel_params
 from gpu_timing import amortised
 
@@ -99,7 +99,7 @@ def main(contexts: list[int]) -> None:
     for length in contexts:
         sizes = dict(length=length, allocated=length + 256, q_heads=Q_HEADS, kv_heads=KV_HEADS, dtype=mx.bfloat16)
         affine = affine_inputs(0, bits=4, group_size=32, **sizes)
-        aura = make_split_inputs(0, **sizes)
+        aura = make_stored(0, **sizes)
         mx.eval([v for v in affine.values() if isinstance(v, mx.array)], aura["queries"], aura["stored"].key_codes)
         chains = {form: {"affine4": chain(affine_step(affine, length, form), affine["queries"]),
                          "aura4v2": chain(aura_step(aura, form), aura["queries"])} for form in FORMS}

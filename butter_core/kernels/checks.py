@@ -62,7 +62,9 @@ class KernelCheck:
     ``{"cuda"}`` for a kernel that needs dynamic shared memory); elsewhere its check is
     skipped. ``tensor_cores``: the kernel uses the dialect's tensor-core vocabulary
     (``Kernel(..., mma=True)``), so its check is skipped where that cannot run (CUDA
-    devices older than compute capability 8.0: ``tensor_cores_available``).
+    devices older than compute capability 8.0: ``tensor_cores_available``). ``kernel_options``:
+    sizes that reach the kernel as keyword arguments as they are (a forced split count, say),
+    and reach neither ``make_inputs`` nor the reference (``inputs``).
     """
 
     name: str
@@ -73,6 +75,13 @@ class KernelCheck:
     rtol: Mapping[mx.Dtype, float] = DEFAULT_RTOL
     backends: frozenset[Backend] = BACKENDS
     tensor_cores: bool = False
+    kernel_options: tuple[str, ...] = ()
+
+    def inputs(self, seed: int = 0, **sizes: Any) -> Inputs:
+        """The kernel's keyword arguments for these sizes: ``make_inputs(seed, **sizes)`` of the
+        sizes that are not ``kernel_options``, plus those that are."""
+        options = {name: sizes.pop(name) for name in self.kernel_options if name in sizes}
+        return self.make_inputs(seed, **sizes) | options
 
     def runs_on(self, backend: Backend) -> bool:
         """Whether this check's kernel can run on ``backend``, this machine's GPU backend."""
@@ -90,13 +99,13 @@ class KernelCheck:
         matmuls are true float32 (MLX's CUDA matmuls default to TF32, whose ~1e-3
         relative error would swamp a float32 kernel's)."""
         with mx.stream(mx.cpu):
-            out = self.reference(**inputs)
+            out = self.reference(**{name: value for name, value in inputs.items() if name not in self.kernel_options})
             mx.eval(out)
         return out
 
     def check(self, seed: int = 0, **sizes: Any) -> CheckResult:
         """Compare kernel and reference on fresh random inputs of the given sizes."""
-        inputs = self.make_inputs(seed, **sizes)
+        inputs = self.inputs(seed, **sizes)
         ref = self.run_reference(inputs)
         out = self.run_kernel(inputs)
         return CheckResult(
@@ -117,7 +126,7 @@ def recorded_check_builds(checks: Iterable[KernelCheck], backend: Backend) -> li
             continue
         for case in check.cases:
             with recorded_builds(backend) as recorded:
-                check.kernel(**check.make_inputs(0, **case))
+                check.kernel(**check.inputs(0, **case))
             builds += recorded
     return builds
 

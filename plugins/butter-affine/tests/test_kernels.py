@@ -41,7 +41,7 @@ def test_kernel_matches_reference(check, case):
 
 @pytest.mark.parametrize(("check", "case"), CASES)
 def test_check_cases_are_valid_reference_inputs(check, case):
-    out = check.run_reference(check.make_inputs(0, **case))
+    out = check.run_reference(check.inputs(0, **case))
     assert not mx.any(mx.isnan(out)).item()
 
 
@@ -201,8 +201,8 @@ def test_tensor_core_decode_launches_partials_then_the_merge(monkeypatch):
 
     monkeypatch.setattr(Kernel, "__call__", record)
     monkeypatch.setattr(Kernel, "unavailable_reason", lambda self: None)
-    inputs = decode_mma.make_check_inputs(0, q_heads=8, kv_heads=2, length=300, allocated=320, splits=3)
-    out = decode_mma.decode_attention(**inputs)
+    inputs = decode.make_inputs(0, q_heads=8, kv_heads=2, length=300, allocated=320)
+    out = decode_mma.decode_attention(**inputs, splits=3)
     assert out.shape == (1, 8, 1, 128) and out.dtype == mx.bfloat16
     assert [name for name, _, _ in calls] == ["butter_affine_decode_mma_partials", "butter_split_k_merge"]
     assert calls[0][1] == ((1, 8, 3, 128), (1, 8, 3), (1, 8, 3)) and calls[0][2] is None

@@ -51,7 +51,7 @@ def test_kernel_matches_reference(check, case):
 
 @pytest.mark.parametrize(("check", "case"), CASES)
 def test_check_cases_are_valid_reference_inputs(check, case):
-    out = check.run_reference(check.make_inputs(0, **case))
+    out = check.run_reference(check.inputs(0, **case))
     assert out.dtype == case.get("dtype", mx.bfloat16)
 
 

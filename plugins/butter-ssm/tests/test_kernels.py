@@ -159,7 +159,7 @@ def test_launches_fit_every_shape_they_serve():
 
 @pytest.mark.parametrize(("check", "case"), CASES)
 def test_check_cases_are_valid_reference_inputs(check, case):
-    out = check.run_reference(check.make_inputs(0, **case))
+    out = check.run_reference(check.inputs(0, **case))
     assert not mx.any(mx.isnan(out)).item()
     assert out.dtype == (case.get("state_dtype", mx.float32) if check.name.endswith("_state")
                          else case.get("dtype", mx.bfloat16))

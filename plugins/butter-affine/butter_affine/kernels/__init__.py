@@ -155,8 +155,8 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
     KernelCheck(
         name="decode_attention_mma",
         kernel=decode_mma.decode_attention,
-        reference=decode_mma.decode_attention_check_reference,
-        make_inputs=decode_mma.make_check_inputs,
+        reference=decode.decode_attention_reference,
+        make_inputs=decode.make_inputs,
         # Every bits x head_dim x dtype the kernel takes; GQA groups 1, 2, 4, 7, 8, 12 (two
         # column tiles), 16; lengths that are no multiple of a warp's 16 keys; forced splits
         # (``splits``) that leave some splits without a key.
@@ -200,14 +200,15 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         ),
         rtol=_MMA_RTOL,
         tensor_cores=True,
+        kernel_options=("splits",),
     ),
     KernelCheck(
         # The tensor-core kernel reading a cache's stacks in place (what a traced decode step
         # runs): every code width, both head sizes and query dtypes, batches, forced splits.
         name="stacked_decode_attention_mma",
         kernel=decode_mma.decode_attention_stacked,
-        reference=decode_mma.decode_attention_check_reference,
-        make_inputs=decode_mma.make_check_inputs,
+        reference=decode.decode_attention_reference,
+        make_inputs=decode.make_inputs,
         cases=(
             {"q_heads": 32, "kv_heads": 8, "length": 200, "allocated": 256},
             {"bits": 8, "group_size": 64, "head_dim": 64, "q_heads": 4, "kv_heads": 4, "length": 33,
@@ -219,12 +220,13 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         ),
         rtol=_MMA_RTOL,
         tensor_cores=True,
+        kernel_options=("splits",),
     ),
     KernelCheck(
         name="paged_decode_attention_mma",
         kernel=decode_mma.paged_decode_attention,
-        reference=decode_mma.paged_decode_attention_check_reference,
-        make_inputs=decode_mma.make_paged_check_inputs,
+        reference=decode.paged_decode_attention_reference,
+        make_inputs=decode.make_paged_inputs,
         # Sequences of different lengths, pages scattered through the storage; pages of 16 (a
         # warp's key block spans one page), 32 and 64; lengths that end inside a page and a key
         # block; forced splits over a long sequence and beside one of a single key.
@@ -236,6 +238,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         ),
         rtol=_MMA_RTOL,
         tensor_cores=True,
+        kernel_options=("splits",),
     ),
 )
 """Every butter-affine kernel with its reference, for the conformance suite and the GPU bench."""

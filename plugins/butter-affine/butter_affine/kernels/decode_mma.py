@@ -61,10 +61,6 @@ from butter_affine.kernels.decode import (
     PAGED_PREAMBLE,
     _check_args,
     _check_paged_args,
-    decode_attention_reference,
-    make_inputs,
-    make_paged_inputs,
-    paged_decode_attention_reference,
 )
 from butter_affine.packing import BUFFERS, PackedFormat, stack
 
@@ -507,32 +503,6 @@ def _partials(kernel: Kernel, fmt: PackedFormat, queries: mx.array, buffers: lis
         output_dtypes=launch.output_dtypes,
     )
     return acc, maxes, sums
-
-
-def decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:
-    """``decode.decode_attention_reference``, taking (and ignoring) ``splits``."""
-    return decode_attention_reference(*args, **kwargs)
-
-
-def paged_decode_attention_check_reference(*args, splits: int | None = None, **kwargs) -> mx.array:
-    """``decode.paged_decode_attention_reference``, taking (and ignoring) ``splits``."""
-    return paged_decode_attention_reference(*args, **kwargs)
-
-
-def make_paged_check_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
-    """``decode.make_paged_inputs``, plus ``splits`` when given."""
-    inputs = make_paged_inputs(seed, **sizes)
-    if splits is not None:
-        inputs["splits"] = splits
-    return inputs
-
-
-def make_check_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
-    """``decode.make_inputs``, plus ``splits`` when given."""
-    inputs = make_inputs(seed, **sizes)
-    if splits is not None:
-        inputs["splits"] = splits
-    return inputs
 
 
 def supports(fmt: PackedFormat, queries_dtype: mx.Dtype) -> bool:

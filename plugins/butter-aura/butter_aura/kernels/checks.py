@@ -158,18 +158,9 @@ def dequantize_reference_joined(stored, dtype) -> mx.array:
     return mx.concatenate(reference.dequantize(stored, dtype), axis=-1)
 
 
-def make_split_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
-    """``make_stored``'s inputs plus a forced split count (None: the kernel's own plan)."""
-    return {**make_stored(seed, **sizes), "splits": splits}
-
-
-def mma_decode_attention(queries, stored, scale, splits=None) -> mx.array:
+def mma_decode_attention(queries, stored, scale, splits: int | None = None) -> mx.array:
     """``decode_attention`` through the tensor-core partials kernel (``attention_mma``)."""
     return attention.decode_attention(queries, stored, scale, method="mma", splits=splits)
-
-
-def reference_decode_attention(queries, stored, scale, splits=None) -> mx.array:
-    return reference.decode_attention(queries, stored, scale)
 
 
 def simt_paged_decode_attention(**inputs) -> mx.array:
@@ -181,15 +172,6 @@ def simt_paged_decode_attention(**inputs) -> mx.array:
 def mma_paged_decode_attention(*, splits: int | None = None, **inputs) -> mx.array:
     """``paged.paged_decode_attention`` through the tensor-core partials kernel (``attention_mma``)."""
     return paged.paged_decode_attention(**inputs, method="mma", splits=splits)
-
-
-def reference_paged_decode_attention(*, splits: int | None = None, **inputs) -> mx.array:
-    return paged.paged_decode_attention_reference(**inputs)
-
-
-def make_paged_split_inputs(seed: int, *, splits: int | None = None, **sizes) -> dict:
-    """``make_paged_inputs``' inputs plus a forced split count (None: the kernel's own plan)."""
-    return {**make_paged_inputs(seed, **sizes), "splits": splits}
 
 
 def make_paged_inputs(seed: int, *, lengths: Sequence[int] = (1, 40, 200), page_size: int = 16, **sizes) -> dict:
@@ -304,8 +286,8 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         # threadgroup, random code words at long lengths.
         name="decode_attention_mma",
         kernel=mma_decode_attention,
-        reference=reference_decode_attention,
-        make_inputs=make_split_inputs,
+        reference=reference.decode_attention,
+        make_inputs=make_stored,
         cases=(
             {"length": 200, "allocated": 256},
             {"length": 1000, "allocated": 1000, "dtype": mx.float16, "q_heads": 32, "kv_heads": 8,
@@ -338,6 +320,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         rtol=ATTENTION_RTOL,
         backends=frozenset({"cuda"}),  # 64 KB of dynamic shared memory, which Metal's custom kernels lack
         tensor_cores=True,
+        kernel_options=("splits",),
     ),
     KernelCheck(
         # The tensor-core kernel over batched storage: sequences of different lengths in scattered
@@ -345,8 +328,8 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         # served (key, value) bits pair, both head sizes and query dtypes; forced splits.
         name="paged_decode_attention_mma",
         kernel=mma_paged_decode_attention,
-        reference=reference_paged_decode_attention,
-        make_inputs=make_paged_split_inputs,
+        reference=paged.paged_decode_attention_reference,
+        make_inputs=make_paged_inputs,
         cases=(
             {},
             {"lengths": (5,), "dtype": mx.float16, "head_dim": 64},
@@ -358,6 +341,7 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         rtol=ATTENTION_RTOL,
         backends=frozenset({"cuda"}),  # 64 KB of dynamic shared memory, which Metal's custom kernels lack
         tensor_cores=True,
+        kernel_options=("splits",),
     ),
     KernelCheck(
         name="dequantize",
