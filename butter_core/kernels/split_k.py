@@ -357,6 +357,22 @@ def fill(body: str, expressions: Mapping[str, str]) -> str:
     return body
 
 
+def paged_preamble(kv_buffer: str) -> str:
+    """What a paged partials kernel opens with: ``sequence``, the batch row its threadgroup serves
+    (``kv_buffer`` is an input in paged storage ``[1, kv heads, slots, width]``), and ``pages``, the
+    offset of that sequence's row of ``table`` ``[B, pages]``, which ``PAGED_SLOT`` reads."""
+    return (
+        "  // Paged storage: buffers [1, kv heads, slots, width] shared by every sequence; sequence b's\n"
+        "  // position p is in slot table[b, p / PAGE] * PAGE + p % PAGE, its live keys lengths[b].\n"
+        f"  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], {kv_buffer}_shape[1]);\n"
+        "  const int64_t pages = static_cast<int64_t>(sequence) * table_shape[1];\n"
+    )
+
+
+PAGED_SLOT = "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)"
+"""The storage slot of the sequence's key ``at`` in a paged kernel (after ``paged_preamble``)."""
+
+
 def merge_threads(n_splits: int, dims: int) -> int:
     """Threads of a merge's threadgroup for ``n_splits`` splits of ``dims`` dimensions: one
     per dimension for each part, with enough parts that each thread folds about

@@ -168,14 +168,8 @@ _PAGED_PARTIALS = Kernel(
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=split_k.SPLIT_K_HELPERS,
     body=(
-        "  // Paged storage: keys/values [1, kv heads, slots, D] shared by every sequence; sequence b's\n"
-        "  // position p is in slot table[b, p / PAGE] * PAGE + p % PAGE, its live keys lengths[b].\n"
-        "  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], keys_shape[1]);\n"
-        "  const int64_t pages = static_cast<int64_t>(sequence) * table_shape[1];\n"
-        + split_k.fill(_PARTIALS_BODY, {
-            "$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head",
-            "$SLOT": "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)",
-        })
+        split_k.paged_preamble("keys")
+        + split_k.fill(_PARTIALS_BODY, {"$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head", "$SLOT": split_k.PAGED_SLOT})
     ),
 )
 

@@ -258,15 +258,6 @@ in butter-raw's: ``$LIVE`` (this block's sequence's live keys), ``$KV_ROWS`` (wh
 holding key ``at``)."""
 
 
-PAGED_PREAMBLE = (
-    "  // Paged storage: buffers [1, kv heads, slots, width] shared by every sequence; sequence b's\n"
-    "  // position p is in slot table[b, p / PAGE] * PAGE + p % PAGE, its live keys lengths[b].\n"
-    "  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], key_codes_shape[1]);\n"
-    "  const int64_t pages = static_cast<int64_t>(sequence) * table_shape[1];\n"
-)
-"""What a paged partials kernel (this one's and ``decode_mma``'s) opens with: the threadgroup's sequence
-and the offset of its row of the page table."""
-
 _PARTIALS = Kernel(
     name="butter_affine_decode_partials",
     input_names=(*("queries",), *BUFFERS, "length", "scale"),
@@ -282,11 +273,8 @@ _PAGED_PARTIALS = Kernel(
     output_names=("partial_acc", "partial_max", "partial_sum"),
     helpers=_HELPERS,
     body=(
-        PAGED_PREAMBLE
-        + split_k.fill(_PARTIALS_BODY, {
-            "$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head",
-            "$SLOT": "(static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE)",
-        })
+        split_k.paged_preamble("key_codes")
+        + split_k.fill(_PARTIALS_BODY, {"$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head", "$SLOT": split_k.PAGED_SLOT})
     ),
 )
 

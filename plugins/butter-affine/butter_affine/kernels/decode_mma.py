@@ -58,7 +58,6 @@ from butter_core.plugin_api import Kernel, kernel_params, mma, split_k
 
 from butter_affine.kernels.codes import CODE_HELPERS, MMA_CODE_HELPERS
 from butter_affine.kernels.decode import (
-    PAGED_PREAMBLE,
     _check_args,
     _check_paged_args,
 )
@@ -377,7 +376,7 @@ _PAGED_PARTIALS = Kernel(
     mma=True,
     helpers=_HELPERS,
     body=(
-        PAGED_PREAMBLE
+        split_k.paged_preamble("key_codes")
         + split_k.fill(_PARTIALS_BODY, {"$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head", "$PAGE": "PAGE",
                                         "$TABLE": "table, pages"})
     ),

@@ -18,6 +18,10 @@ call them.
 cache's arrays and for batched storage's pages; ``PAGED_PREAMBLE`` opens a paged kernel.
 """
 
+from __future__ import annotations
+
+from butter_core.plugin_api import split_k
+
 HELPERS = """
 // The partials kernels' `params`: live slots; slots [0, sinks) held in full precision;
 // the recent ring's period; the smallest and largest slot the ring holds (lo > hi: none);
@@ -159,12 +163,13 @@ key ``at`` in slot ``at`` (``$PAGED`` false)."""
 PAGED = {
     "$PAGED": "true", "$PARAMS_AT": "static_cast<int64_t>(sequence) * 7", "$RECENT_AT": "static_cast<int64_t>(sequence) * recent_slots_shape[1]",
     "$RING": "recent_slots_shape[1]", "$KV_ROWS": "block.kv_head",
-    "$SLOT": "(static_cast<int64_t>(table[static_cast<int64_t>(sequence) * table_shape[1] + at / PAGE]) * PAGE + at % PAGE)",
+    "$SLOT": split_k.PAGED_SLOT,
     "$FP_BASE": "(static_cast<int64_t>(sequence_rows[sequence]) * ROWS * kv_heads + kv_head) * D",
     "$FP_STRIDE": "kv_heads * D",
 }
 """Batched storage (``paged``): per sequence ``params`` ``[B, 7]`` and ``recent_slots`` ``[B, ring]``,
 codes in pages read through ``table``, fp rows ``[sequences * ROWS, heads, D]`` at ``sequence_rows``."""
 
-PAGED_PREAMBLE = "  const int sequence = splitk_sequence<HEADS>(block_idx, queries_shape[1], key_codes_shape[1]);\n"
-"""What a paged partials kernel opens with: the sequence its threadgroup serves (``PAGED`` reads it)."""
+PAGED_PREAMBLE = split_k.paged_preamble("key_codes")
+"""What a paged partials kernel opens with: the sequence its threadgroup serves and its row of the
+table (``PAGED`` reads both)."""
