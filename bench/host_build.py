@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import statistics
+import tempfile
 import time
 
 import butter_core  # noqa: F401 - before mlx.core
@@ -41,9 +43,29 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def zeros_for_kernels(launch) -> list[mx.array]:
-    """An executor for ``executed_by``: a kernel call's outputs as zeros (one node each, as a
-    kernel call is one node of the graph; made anew, so that a traced path traces them)."""
-    return [mx.zeros(shape, dtype) for shape, dtype in zip(launch.output_shapes, launch.build.output_dtypes)]
+    """An executor for ``executed_by``: a kernel call's outputs as zeros that depend on its inputs
+    (``mx.depends``: one node for the call, as a kernel call is one node of the graph, and what
+    feeds the kernel stays in the graph and in a trace of it)."""
+    zeros = [_zeros(tuple(shape), dtype) for shape, dtype in zip(launch.output_shapes, launch.build.output_dtypes)]
+    return mx.depends(zeros, list(launch.inputs))
+
+
+@functools.cache
+def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """Evaluated zeros of this shape: a leaf of the graph, so a stand-in call adds only its
+    ``Depends`` node."""
+    zeros = mx.zeros(shape, dtype)
+    mx.eval(zeros)
+    return zeros
+
+
+def graph_nodes(outputs: list[mx.array]) -> int:
+    """How many operations evaluating ``outputs`` runs (their graph down to evaluated arrays,
+    as ``mx.export_to_dot`` draws it), a stand-in kernel counting one: each is a node MLX
+    builds (or a trace replays) on the host and encodes at evaluation."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        return dot.read().count("shape=rectangle")
 
 
 def floor_step(layers: int, context: int, steps: int):
@@ -120,10 +142,16 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, step in paths.items():
                 rounds[name].append(build_us(step, q, k, v, args.steps, args.layers))
+        nodes = {}
+        for name, step in paths.items():
+            outs = step(q, k, v)
+            nodes[name] = graph_nodes(outs) / args.layers
+            mx.eval(outs)
         floor = statistics.median(rounds["slice-assign + mx.fast.sdpa"])
+        print(f"{'path':<28} {'µs':>6}  {'/floor':>6}  {'nodes/layer':>11}   rounds")
         for name, values in rounds.items():
             us = statistics.median(values)
-            print(f"{name:<28} {us:6.1f}  {us / floor:.2f}x   rounds {' '.join(f'{x:.1f}' for x in values)}")
+            print(f"{name:<28} {us:6.1f}  {us / floor:5.2f}x  {nodes[name]:11.1f}   {' '.join(f'{x:.1f}' for x in values)}")
 
 
 if __name__ == "__main__":

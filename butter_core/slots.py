@@ -75,6 +75,11 @@ class SlotBuffers:
                 self._home[name] = (stack, i)
         self._storage: dict[str, mx.array] = {}
         """Stack name -> ``[n, batch, heads, slots, width]``; unstacked buffer name -> ``[batch, heads, slots, width]``."""
+        self._views: dict[str, mx.array] | None = None
+        """``read()``'s views of every allocated slot, kept until the storage changes: a decode
+        step that writes no codes (AURA's deferred encode) then reads them without building
+        a ``Split`` and a ``Squeeze`` per member again. Dropped before any write, so that no
+        kept view holds a buffer that an in-place update would otherwise reuse."""
         self._written_keys: set[str] = set()
         """The keys of the last rows ``write`` checked (a decode step writes the same ones each time)."""
 
@@ -108,6 +113,7 @@ class SlotBuffers:
         times what they hold."""
         if slots <= self.allocated:
             return
+        self._views = None
         slots = max(slots, math.ceil(self.allocated * GROWTH_FACTOR))
         grown = self._empty(min(self._whole_steps(self.capacity), -(-slots // self.step) * self.step))
         if live:
@@ -135,6 +141,7 @@ class SlotBuffers:
                                   f"its stack ({sorted(self.stacks)}); got {sorted(rows)}")
             self._written_keys = set(rows)
         tokens = next(iter(rows.values())).shape[-2]
+        self._views = None
         self.reserve(start + tokens, live)
         end = start + tokens
         for key, array in rows.items():  # slots: axis 2 of a buffer, 3 of a stack (explicit axes index faster than ...)
@@ -155,11 +162,15 @@ class SlotBuffers:
         storage = self._storage if self._storage and length != 0 else self._empty(0)
         if stacked:
             return {key: a if length is None else a[..., :length, :] for key, a in storage.items()}
+        if length is None and storage is self._storage:
+            if self._views is None:
+                self._views = unstack(storage, self.stacks)
+            return dict(self._views)
         return unstack(storage, self.stacks, length if storage is self._storage else None)
 
     def clear(self) -> None:
         """Release every buffer."""
-        self._storage = {}
+        self._storage, self._views = {}, None
 
     def write_at(self, slots: mx.array, rows: dict[str, mx.array], *, take: mx.array | None = None) -> None:
         """Scatter ``rows`` into arbitrary slots of a batch-1 storage: ``rows`` by buffer name (or by
@@ -169,6 +180,7 @@ class SlotBuffers:
         with, one call per layer for every sequence of a step."""
         if self.spec.batch_size != 1 or self.stacks:
             raise ConfigError("write_at writes into an unstacked batch-1 storage (paged storage)")
+        self._views = None
         for name, array in unstack(rows, self._row_stacks(rows)).items():
             batch, heads, tokens, width = array.shape
             flat = array.astype(self.layout[name][1]).transpose(1, 0, 2, 3).reshape(1, heads, batch * tokens, width)

@@ -71,6 +71,29 @@ def test_stacked_buffers_are_views():
     assert mx.get_peak_memory() - before < stack_bytes // 100
 
 
+def test_views_are_kept_until_a_write_and_do_not_stop_it_writing_in_place():
+    """``read()`` hands out the same views until the storage changes (a decode step that writes
+    nothing builds no split again); a write drops them first, so it still updates the stack in
+    place, and the next ``read()`` shows what it wrote."""
+    spec = LayerSpec(n_kv_heads=8, head_dim=128, max_positions=1 << 16)
+    layout = {"a": (32, mx.uint32), "b": (32, mx.uint32)}
+    buffers = SlotBuffers(spec, spec.max_positions, layout, stacks={"ab": ("a", "b")})
+    buffers.write(0, {"ab": mx.ones((2, 1, 8, 1 << 16, 32), mx.uint32)}, live=0)
+    first = buffers.read()
+    mx.eval(list(first.values()))
+    assert all(buffers.read()[name] is first[name] for name in layout)
+    stack_bytes = list(buffers.read(stacked=True).values())[0].nbytes
+    del first
+    gc.collect()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    buffers.write(5, {"ab": mx.full((2, 1, 8, 1, 32), 7, mx.uint32)}, live=1 << 16)
+    after = buffers.read()
+    mx.eval(list(after.values()))
+    assert mx.get_peak_memory() - before < stack_bytes // 100
+    assert after["a"][0, 0, 5, 0].item() == 7 and after["b"][0, 0, 4, 0].item() == 1
+
+
 @pytest.mark.parametrize(
     ("stacks", "message"),
     [
