@@ -20,7 +20,7 @@ keeps every name the guide documents importable.
 - CPU helpers a scheme's own attention path may share: ``softmax_for``,
   ``grouped_queries``, ``compile_by_shape``.
 - The kernel layer (``butter_core.kernels``): ``Kernel``, ``KernelCheck`` (with
-  ``paged_attention_inputs`` and ``scattered_pages``, a paged decode kernel's check inputs),
+  ``attention_inputs``, ``paged_attention_inputs`` and ``scattered_pages``, decode kernels' check inputs),
   ``kernel_params``, ``split_k`` and ``mma``, and what decides where kernels run.
 """
 
@@ -50,6 +50,7 @@ from butter_core.kernels import (
     gpu_backend,
     kernel_params,
     mma,
+    attention_inputs,
     paged_attention_inputs,
     scattered_pages,
     split_k,
@@ -105,6 +106,7 @@ __all__ = [
     "live_mask",
     "mma",
     "one_of",
+    "attention_inputs",
     "paged_attention_inputs",
     "positive",
     "recurrent_ops",

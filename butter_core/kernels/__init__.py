@@ -33,7 +33,7 @@ from butter_core.kernels.backend import (
     standing_in_for_gpu,
     tensor_cores_available,
 )
-from butter_core.kernels.checks import CheckResult, KernelCheck, paged_attention_inputs, relative_error, scattered_pages
+from butter_core.kernels.checks import CheckResult, KernelCheck, attention_inputs, paged_attention_inputs, relative_error, scattered_pages
 from butter_core.kernels.kernel import (
     Build,
     Kernel,
@@ -58,6 +58,7 @@ __all__ = [
     "executed_by",
     "gpu_backend",
     "kernel_params",
+    "attention_inputs",
     "paged_attention_inputs",
     "scattered_pages",
     "mma",

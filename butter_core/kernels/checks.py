@@ -150,6 +150,24 @@ def scattered_pages(rng: np.random.Generator, lengths: Sequence[int], page_size:
     return table, live, total_pages * page_size
 
 
+def attention_inputs(
+    seed: int, *, batch: int, q_heads: int, kv_heads: int, head_dim: int, allocated: int, length: int,
+    dead: tuple[float, float] = (1e3, 1e3),
+) -> dict[str, Any]:
+    """Random float32 inputs of a decode kernel's check over one cache's buffers, for a scheme to
+    encode: Gaussian keys and values in slots ``[0, length)``, ``dead`` (key, value) in the rest of
+    the ``allocated``, so a kernel that reads past the live slots gets a visibly wrong result.
+    Returns ``queries`` ``[batch, q_heads, 1, head_dim]`` and ``keys``/``values`` ``[batch, kv_heads,
+    allocated, head_dim]`` (numpy), ``length`` and ``scale``; ``paged_attention_inputs`` is the
+    same over pages."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, kv_heads, allocated, head_dim)
+    keys, values = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    keys[:, :, length:], values[:, :, length:] = dead
+    queries = rng.standard_normal((batch, q_heads, 1, head_dim), dtype=np.float32)
+    return {"queries": queries, "keys": keys, "values": values, "length": length, "scale": head_dim**-0.5}
+
+
 def paged_attention_inputs(
     seed: int, *, lengths: Sequence[int], page_size: int, q_heads: int, kv_heads: int, head_dim: int,
     dead: tuple[float, float] = (1e3, 1e3),

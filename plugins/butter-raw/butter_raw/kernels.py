@@ -30,6 +30,7 @@ import numpy as np
 from butter_core.plugin_api import (
     Kernel,
     KernelCheck,
+    attention_inputs,
     kernel_params,
     gather_pages,
     live_mask,
@@ -352,22 +353,10 @@ def make_attention_inputs(
     length: int = 200,
     dtype: mx.Dtype = mx.bfloat16,
 ) -> dict:
-    """Random ``sdpa_decode`` arguments. Buffer slots past ``length`` hold 1e3, so a
-    kernel that reads them gets a visibly wrong result."""
-    rng = np.random.default_rng(seed)
-    kv_shape = (batch, kv_heads, allocated, head_dim)
-    keys = rng.standard_normal(kv_shape, dtype=np.float32)
-    values = rng.standard_normal(kv_shape, dtype=np.float32)
-    keys[:, :, length:] = 1e3
-    values[:, :, length:] = 1e3
-    queries = rng.standard_normal((batch, q_heads, 1, head_dim), dtype=np.float32)
-    return {
-        "queries": mx.array(queries).astype(dtype),
-        "keys": mx.array(keys).astype(dtype),
-        "values": mx.array(values).astype(dtype),
-        "length": length,
-        "scale": head_dim**-0.5,
-    }
+    """Random ``sdpa_decode`` arguments (``attention_inputs``: 1e3 in the slots past ``length``)."""
+    inputs = attention_inputs(seed, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                              allocated=allocated, length=length)  # fmt: skip
+    return {**inputs, **{name: mx.array(inputs[name]).astype(dtype) for name in ("queries", "keys", "values")}}
 
 
 def make_update_inputs(

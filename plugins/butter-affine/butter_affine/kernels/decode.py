@@ -30,13 +30,13 @@ K and again for V. Measurements: docs/benchmarks.md,
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from butter_core.plugin_api import (
     Kernel,
     kernel_params,
     gather_pages,
     live_mask,
+    attention_inputs,
     paged_attention_inputs,
     reference_attention,
     split_k,
@@ -442,23 +442,12 @@ def make_inputs(
     length: int = 200,
     dtype: mx.Dtype = mx.bfloat16,
 ) -> dict:
-    """Random ``decode_attention`` arguments: Gaussian K/V quantized by the reference, with
-    slots past ``length`` holding the codes of 1e3, so a kernel that reads them is visibly wrong."""
-    rng = np.random.default_rng(seed)
-    shape = (batch, kv_heads, allocated, head_dim)
-    keys, values = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
-    keys[:, :, length:] = 1e3
-    values[:, :, length:] = -1e3
-    queries = rng.standard_normal((batch, q_heads, 1, head_dim), dtype=np.float32)
-    packed = codec.quantize(mx.array(keys).astype(dtype), bits, group_size) + codec.quantize(
-        mx.array(values).astype(dtype), bits, group_size
-    )
-    return {
-        "queries": mx.array(queries).astype(dtype),
-        **dict(zip(BUFFERS, packed)),
-        "length": length,
-        "scale": head_dim**-0.5,
-    }
+    """Random ``decode_attention`` arguments (``attention_inputs``: the codes of +-1e3 in the slots
+    past ``length``), quantized by the reference."""
+    inputs = attention_inputs(seed, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                              allocated=allocated, length=length, dead=(1e3, -1e3))  # fmt: skip
+    buffers = _quantized(inputs, bits, group_size, dtype)
+    return {**inputs, "queries": mx.array(inputs["queries"]).astype(dtype), **buffers}
 
 
 def make_paged_inputs(
@@ -479,6 +468,11 @@ def make_paged_inputs(
     the reference."""
     inputs = paged_attention_inputs(seed, lengths=lengths[:batch], page_size=page_size, q_heads=q_heads,
                                     kv_heads=kv_heads, head_dim=head_dim, dead=(1e3, -1e3))  # fmt: skip
+    buffers = _quantized(inputs, bits, group_size, dtype)
+    return {**inputs, "queries": mx.array(inputs["queries"]).astype(dtype), **buffers}
+
+
+def _quantized(inputs: dict, bits: int, group_size: int, dtype: mx.Dtype) -> dict[str, mx.array]:
+    """A check's float32 keys and values (taken out of ``inputs``) quantized by the reference, by buffer name."""
     keys, values = (mx.array(inputs.pop(name)).astype(dtype) for name in ("keys", "values"))
-    packed = codec.quantize(keys, bits, group_size) + codec.quantize(values, bits, group_size)
-    return {**inputs, "queries": mx.array(inputs["queries"]).astype(dtype), **dict(zip(BUFFERS, packed))}
+    return dict(zip(BUFFERS, codec.quantize(keys, bits, group_size) + codec.quantize(values, bits, group_size)))
