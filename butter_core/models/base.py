@@ -362,6 +362,13 @@ class LayerStack(nn.Module):
     """``LayerSpec.shard`` of the attention layers: ``shard``, or ``(0, 1)`` where every rank keeps the
     layer's KV heads whole (fewer KV heads than ranks)."""
 
+    def attention_spec(self, index: int, max_positions: int) -> LayerSpec:
+        """The KV cache of attention layer ``index``, holding up to ``max_positions`` (from the
+        family's ``args`` and ``dtype``; ``layer_specs`` asks it for each attention layer)."""
+        a = self.args
+        return LayerSpec(a.num_key_value_heads, a.head_dim, max_positions, dtype=self.dtype, layer_index=index,
+                         shard=self.kv_shard)
+
     def layer_windows(self) -> list[Window | None]:
         """Per ``layer_specs`` entry, the window the family bounds its attention by (None: none).
         A family whose layers do not all keep state overrides this and ``along_layers``."""
@@ -446,12 +453,7 @@ class DecoderModel(LanguageModel):
 
     def layer_specs(self, max_positions: int) -> list[LayerSpec]:
         """What each layer's cache must hold, attention layers holding up to ``max_positions``."""
-        args = self.args
-        return [
-            LayerSpec(args.num_key_value_heads, args.head_dim, max_positions, dtype=self.dtype, layer_index=index,
-                      shard=self.kv_shard)
-            for index in range(args.num_hidden_layers)
-        ]
+        return [self.attention_spec(index, max_positions) for index in range(self.args.num_hidden_layers)]
 
     def layer_windows(self) -> list[Window | None]:
         return self.args.layer_windows()

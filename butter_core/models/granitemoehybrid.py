@@ -171,8 +171,7 @@ class GraniteMoeHybridModel(LanguageModel):
         a = self.args
         return [
             a.mamba.state_spec(self.dtype, index) if layer_type == MAMBA
-            else LayerSpec(a.num_key_value_heads, a.head_dim, max_positions, dtype=self.dtype, layer_index=index,
-                           shard=self.kv_shard)
+            else self.attention_spec(index, max_positions)
             for index, layer_type in enumerate(a.layer_types)
         ]  # fmt: skip
 

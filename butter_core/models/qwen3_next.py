@@ -270,8 +270,7 @@ class Qwen3NextModel(LanguageModel):
         a = self.args
         return [
             a.linear.state_spec(self.dtype, index) if kind == LINEAR_ATTENTION
-            else LayerSpec(a.num_key_value_heads, a.head_dim, max_positions, dtype=self.dtype, layer_index=index,
-                           shard=self.kv_shard)
+            else self.attention_spec(index, max_positions)
             for index, kind in enumerate(a.layer_types)
         ]  # fmt: skip
 
