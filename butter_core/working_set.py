@@ -43,11 +43,14 @@ class PrefillPipeline:
         self._in_flight: deque[mx.array] = deque()
 
     def submit(self, layer_output: mx.array) -> None:
-        """Queue ``layer_output`` on the GPU; wait for older layers beyond ``depth``.
+        """Queue ``layer_output`` (a layer's attention output ``[B, heads, tokens, D]``) on the GPU;
+        wait for older layers beyond ``depth``.
 
-        On the CPU it does nothing: there the buffers are already freed as the graph runs.
+        A single token's output passes by: decode dequantizes nothing, and waiting on its layers
+        would only stall the host. On the CPU it does nothing: there the buffers are already
+        freed as the graph runs.
         """
-        if not default_device_is_gpu():
+        if layer_output.shape[2] == 1 or not default_device_is_gpu():
             return
         mx.async_eval(layer_output)
         self._in_flight.append(layer_output)

@@ -10,7 +10,7 @@ from butter_core.plugin_api import PrefillPipeline
 
 def test_prefill_pipeline_waits_for_all_but_the_newest():
     pipeline = PrefillPipeline(depth=1)
-    outs = [mx.arange(4) * i for i in range(3)]
+    outs = [mx.ones((1, 2, 4, 8)) * i for i in range(3)]
     with standing_in_for_gpu():
         for out in outs:
             pipeline.submit(out)
@@ -20,7 +20,14 @@ def test_prefill_pipeline_waits_for_all_but_the_newest():
 @pytest.mark.skipif(mx.default_device() == mx.gpu, reason="where the default device is a GPU it submits")
 def test_prefill_pipeline_holds_nothing_on_the_cpu():
     pipeline = PrefillPipeline()
-    pipeline.submit(mx.arange(4))
+    pipeline.submit(mx.ones((1, 2, 4, 8)))
+    assert not pipeline._in_flight
+
+
+def test_prefill_pipeline_lets_a_single_tokens_output_pass():
+    pipeline = PrefillPipeline()
+    with standing_in_for_gpu():
+        pipeline.submit(mx.ones((1, 2, 1, 8)))
     assert not pipeline._in_flight
 
 

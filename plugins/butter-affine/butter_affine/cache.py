@@ -64,6 +64,6 @@ class AffineCache(BufferedSlotCache):
         if queries.shape[2] == 1 and mask is None and self.ops.decode is not None:
             return self.ops.decode(queries, self.slots.read(stacked=True), self.length, scale).astype(queries.dtype)
         out = super().attention(queries, scale=scale, mask=mask)
-        if self.pipeline is not None and queries.shape[2] > 1:
+        if self.pipeline is not None:
             self.pipeline.submit(out)
         return out

@@ -264,7 +264,7 @@ class AuraCache(BufferedSlotCache):
     def _submitted(self, out: mx.array) -> mx.array:
         """A multi-token attention's output, handed to ``pipeline`` (None: no bound) so that few
         layers' decoded K/V exist at once on a GPU (``butter_core.working_set``)."""
-        if self.pipeline is not None and out.shape[2] > 1:
+        if self.pipeline is not None:
             self.pipeline.submit(out)
         return out
 
