@@ -35,7 +35,9 @@ def test_render_passes_shapes_as_scalars_and_declares_template_values():
     rendered = _render()
     source = rendered.source
     assert f'extern "C" __global__ void {rendered.symbol}(' in source
-    assert "const __nv_bfloat16* rows,\n    int rows_shape_0,\n    int rows_shape_1,\n    const float* bias," in source
+    # MLX passes a precompiled kernel its inputs, its outputs, then its scalars.
+    assert ("const __nv_bfloat16* rows,\n    const float* bias,\n    __nv_bfloat16* out,\n    int rows_shape_0,\n"
+            "    int rows_shape_1) {") in source
     assert "const int rows_shape[2] = {rows_shape_0, rows_shape_1};" in source
     assert "bias_shape" not in source  # the body never reads it, so it is not passed
     assert "constexpr int SCALE = 3;" in source and "using T = __nv_bfloat16;" in source
@@ -130,8 +132,6 @@ _SECOND_PROCESS = textwrap.dedent("""
         def refuse(source, symbol):
             raise AssertionError("compiled " + symbol)
         cuda_binaries.compile_source = refuse
-    if sys.argv[1] == "misplace":
-        cuda_binaries.mlx_kernel_dir = lambda: cuda_binaries.Path(sys.argv[2])
     kernel = Kernel("test_cuda_binaries_affine", ["rows", "bias"], ["out"], sys.stdin.read())
     rows = mx.arange(12, dtype=mx.float32).reshape(3, 4)
     (out,) = kernel(inputs=[rows, mx.array([1.0])], output_shapes=[rows.shape], output_dtypes=[mx.float32],
@@ -140,8 +140,8 @@ _SECOND_PROCESS = textwrap.dedent("""
 """)
 
 
-def _second_process(tmp_path, *argv):
-    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path / "ptx"), BUTTER_CACHE_DIR=str(tmp_path / "butter"),
+def _second_process(tmp_path, *argv, butter_cache=None):
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path / "ptx"), BUTTER_CACHE_DIR=str(butter_cache or tmp_path / "butter"),
                **{cuda_binaries.ENV_SWITCH: "1"})
     run = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, *argv], input=_BODY, capture_output=True,
                          text=True, env=env, timeout=300)
@@ -158,10 +158,11 @@ def test_a_second_process_runs_the_kernels_without_compiling(tmp_path):
 
 
 @cuda
-def test_where_mlx_does_not_find_the_binaries_kernels_compile_through_mlx(tmp_path):
-    (answers, stderr) = _second_process(tmp_path, "misplace", str(tmp_path / "elsewhere"))
+def test_where_the_probe_fails_kernels_compile_through_mlx_and_butter_says_why(tmp_path):
+    (tmp_path / "a-file").write_text("")  # butter's cache directory cannot be made under a file
+    (answers, stderr) = _second_process(tmp_path, "compile", butter_cache=tmp_path / "a-file" / "butter")
     assert answers == ["False", "True"]
-    assert "CUDA kernels compile in every process" in stderr
+    assert "CUDA kernels compile in every process" in stderr and "a-file" in stderr
 
 
 @cuda

@@ -20,10 +20,12 @@ source. This module takes the other road MLX offers, ``mx.fast.precompiled_cuda_
   bytes; MLX looks in that directory before it would compile, finds the binary and loads it.
 
 That last step relies on how MLX 0.32 loads precompiled kernels (``JitModule`` reads its
-directory first; the module name is ``name_hash``), not on a documented contract. So each
-process first runs a probe kernel this way and compares its output; if anything fails —
-another MLX, no NVRTC, an unwritable directory — butter warns once and every kernel takes
-``mx.fast.cuda_kernel`` as before. The path is opt-in (``BUTTER_CUDA_BINARIES=1``) until it
+directory first; the module name is ``name_hash``; a precompiled kernel's parameters are
+the inputs, the outputs, then the scalars), not on a documented contract. So once per
+install butter runs a probe kernel this way in a child process (a kernel launched with the
+wrong parameters faults the GPU and leaves that process's CUDA context unusable) and
+compares its output; if anything fails — another MLX, no NVRTC, an unwritable directory —
+butter warns once and every kernel takes ``mx.fast.cuda_kernel`` as before. The path is opt-in (``BUTTER_CUDA_BINARIES=1``) until it
 has been run and measured on a GPU.
 """
 
@@ -35,6 +37,8 @@ import functools
 import hashlib
 import os
 import re
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -104,19 +108,20 @@ def render(kernel: Kernel, template: Sequence[TemplateArg], input_dtypes: Sequen
     from butter_core.kernels.kernel import Build  # noqa: PLC0415
 
     body = kernel.source("cuda")
-    params, shape_locals, shaped = [], [], []
+    params, scalars, shape_locals, shaped = [], [], [], []
     for i, (name, dtype, ndim) in enumerate(zip(kernel.input_names, input_dtypes, input_ndims)):
         params.append(f"const {CUDA_TYPES[dtype]}* {name}")
         if re.search(rf"\b{name}_strides\b", body):
             raise CudaBinaryError(f"kernel {kernel.name!r} reads {name}_strides, which a precompiled build is not passed")
         if re.search(rf"\b{name}_shape\b", body):
-            params += [f"int {name}_shape_{d}" for d in range(ndim)]
+            scalars += [f"int {name}_shape_{d}" for d in range(ndim)]
             dims = ", ".join(f"{name}_shape_{d}" for d in range(ndim))
             shape_locals.append(f"  const int {name}_shape[{max(ndim, 1)}] = {{{dims}}};")
             shaped.append(i)
         if re.search(rf"\b{name}_ndim\b", body):
             shape_locals.append(f"  constexpr int {name}_ndim = {ndim};")
     params += [f"{CUDA_TYPES[dtype]}* {name}" for name, dtype in zip(kernel.output_names, output_dtypes)]
+    params += scalars
     build = Build(kernel=kernel, backend="cuda", template=tuple(template), input_dtypes=tuple(input_dtypes),
                   input_shapes=(), output_dtypes=tuple(output_dtypes))
     lines = [PRELUDE, kernel.header("cuda"), 'extern "C" __global__ void BT_SYMBOL(',
@@ -329,27 +334,67 @@ _PROBE_BODY = """\
   }
 """
 
+PROBE_TIMEOUT_S = 300
+"""How long the probe's own process may take (it compiles one small kernel)."""
+
+
+def _probe() -> Rendered:
+    """The probe kernel rendered (not yet placed or run)."""
+    from butter_core.kernels.kernel import Kernel  # noqa: PLC0415 - cycle
+
+    probe = Kernel("butter_cuda_binary_probe", ["values"], ["out"], _PROBE_BODY)
+    return render(probe, [("SCALE", 3)], [mx.float32], [1], [mx.float32])
+
+
+def run_probe() -> None:
+    """Place the probe kernel, run it from its binary in this process and check its answer;
+    raises where any of it fails. A kernel launched with the wrong arguments can fault the GPU
+    and leave this process's CUDA context unusable, so butter runs this in a process of its own."""
+    rendered = _probe()
+    place(rendered)
+    values = mx.arange(7, dtype=mx.float32)
+    (out,) = launch(rendered, inputs=[values], output_shapes=[(7,)], output_dtypes=[mx.float32],
+                    grid=(32, 1, 1), threadgroup=(32, 1, 1), shared_memory=0, init_value=None)
+    if not mx.array_equal(out, values * 3 + 7).item():
+        raise CudaBinaryError(f"the probe kernel computed {out.tolist()}")
+
+
+def _probe_elsewhere() -> str | None:
+    """Run ``run_probe`` in a child process; None where it passed, else why it failed."""
+    try:
+        child = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True,
+                               timeout=PROBE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"the probe process did not finish: {error}"
+    if child.returncode == 0:
+        return None
+    lines = (child.stderr or child.stdout).strip().splitlines()
+    return lines[-1] if lines else f"the probe process exited with status {child.returncode}"
+
 
 @functools.cache
 def available() -> bool:
-    """Whether kernels run from binaries compiled here (MLX has CUDA, ``BUTTER_CUDA_BINARIES``
-    is ``1``, and a probe kernel run that way gives the right answer in this process). Warns once,
-    naming the reason, where the probe fails."""
+    """Whether kernels run from binaries compiled here: MLX has CUDA, ``BUTTER_CUDA_BINARIES``
+    is ``1``, and the probe kernel run that way gave the right answer, in a process of its own,
+    once per install (a marker beside the binaries records it). Warns once, naming the reason,
+    where the probe fails."""
     if os.environ.get(ENV_SWITCH) != "1" or not mx.cuda.is_available():
         return False
-    from butter_core.kernels.kernel import Kernel  # noqa: PLC0415 - cycle
-
     try:
-        probe = Kernel("butter_cuda_binary_probe", ["values"], ["out"], _PROBE_BODY)
-        values = mx.arange(7, dtype=mx.float32)
-        rendered = render(probe, [("SCALE", 3)], [mx.float32], [1], [mx.float32])
-        place(rendered)
-        (out,) = launch(rendered, inputs=[values], output_shapes=[(7,)], output_dtypes=[mx.float32],
-                        grid=(32, 1, 1), threadgroup=(32, 1, 1), shared_memory=0, init_value=None)
-        if not mx.array_equal(out, values * 3 + 7).item():
-            raise CudaBinaryError(f"the probe kernel computed {out.tolist()}")
-    except Exception as error:  # noqa: BLE001 - any failure means: use MLX's own JIT
+        marker = binary_store() / f"{_probe().symbol}.passed"
+        if marker.exists():
+            return True
+        reason = _probe_elsewhere()
+        if reason is None:
+            _write_atomically(marker, b"")
+    except (CudaBinaryError, OSError) as error:
+        reason = str(error)
+    if reason is not None:
         warnings.warn(f"butter: CUDA kernels compile in every process (mx.fast.cuda_kernel), because running a "
-                      f"precompiled kernel failed: {error}. Unset {ENV_SWITCH} to silence this.", stacklevel=2)
+                      f"precompiled kernel failed: {reason}. Unset {ENV_SWITCH} to silence this.", stacklevel=2)
         return False
     return True
+
+
+if __name__ == "__main__":
+    run_probe()
