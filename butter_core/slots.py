@@ -181,10 +181,16 @@ class SlotBuffers:
         if self.spec.batch_size != 1 or self.stacks:
             raise ConfigError("write_at writes into an unstacked batch-1 storage (paged storage)")
         self._views = None
+        column = slots[None, None, :, None]
         for name, array in unstack(rows, self._row_stacks(rows)).items():
             batch, heads, tokens, width = array.shape
-            flat = array.astype(self.layout[name][1]).transpose(1, 0, 2, 3).reshape(1, heads, batch * tokens, width)
-            self._storage[name][:, :, slots] = flat if take is None else flat[:, :, take]
+            array = array.astype(self.layout[name][1])
+            # [1, heads, batch * tokens, width]; one token each is a view (ScatterAxis reads strided updates)
+            flat = (array.transpose(2, 1, 0, 3) if tokens == 1 else
+                    array.transpose(1, 0, 2, 3).reshape(1, heads, batch * tokens, width))  # fmt: skip
+            flat = flat if take is None else flat[:, :, take]
+            where = mx.broadcast_to(column, flat.shape)
+            self._storage[name] = mx.put_along_axis(self._storage[name], where, flat, axis=2)
 
     def read_at(self, index: mx.array) -> dict[str, mx.array]:
         """The rows of slots ``index`` (``[batch, length]``) of a batch-1 storage, by buffer name, each

@@ -83,10 +83,12 @@ class FullPrecisionRows(SequenceState):
         if not taken:
             return
         targets = mx.array(list(taken), dtype=mx.int32)
-        sources = mx.array(list(taken.values()), dtype=mx.int32)
+        sources = list(taken.values())
+        every_row = sources == list(range(keys.shape[0] * keys.shape[2]))  # a decode step's: no gather
         for name, new in (("keys", keys), ("values", values)):
             flat = new.transpose(0, 2, 1, 3).reshape(-1, new.shape[1], new.shape[3])  # [sequences * tokens, heads, D]
-            getattr(self, name)[targets] = flat[sources].astype(self.keys.dtype)
+            flat = flat if every_row else flat[mx.array(sources, dtype=mx.int32)]
+            getattr(self, name)[targets] = flat.astype(self.keys.dtype)
 
     def paged_decode(self, queries, buffers, table, lengths, page_size, scale, rows):
         """``kernels.paged.paged_decode_attention`` where the cache runs AURA's kernels, else
