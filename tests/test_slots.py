@@ -94,6 +94,38 @@ def test_views_are_kept_until_a_write_and_do_not_stop_it_writing_in_place():
     assert after["a"][0, 0, 5, 0].item() == 7 and after["b"][0, 0, 4, 0].item() == 1
 
 
+@pytest.mark.parametrize("tokens", [1, 3], ids=["a-token-each", "a-chunk-each"])
+def test_write_at_scatters_each_row_to_its_slot_in_place(tokens):
+    """Paged storage's write: row ``(b, t)`` of the step to slot ``slots[b * tokens + t]`` (with
+    ``take``, only those rows), rows given stacked or by buffer, every other slot untouched, and
+    the storage updated in place (no copy of it at any point)."""
+    spec = LayerSpec(n_kv_heads=8, head_dim=128, max_positions=1 << 16)
+    layout = {"a": (32, mx.uint32), "b": (32, mx.uint32)}
+    buffers = SlotBuffers(spec, spec.max_positions, layout, row_stacks={"ab": ("a", "b")})
+    buffers.reserve(spec.max_positions, live=0)
+    mx.eval(list(buffers.read().values()))
+    storage_bytes = sum(v.nbytes for v in buffers.read().values())
+    batch = 3
+    new = mx.arange(2 * batch * 8 * tokens * 32, dtype=mx.uint32).reshape(2, batch, 8, tokens, 32) + 1
+    slots = [(7919 * i) % (1 << 16) for i in range(1, batch * tokens + 1)]
+    gc.collect()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    buffers.write_at(mx.array(slots, dtype=mx.int32), {"ab": new})
+    stored = buffers.read()
+    mx.eval(list(stored.values()))
+    assert mx.get_peak_memory() - before < storage_bytes // 100
+    for m, name in enumerate(("a", "b")):
+        flat = new[m].transpose(1, 0, 2, 3).reshape(8, batch * tokens, 32)
+        assert mx.array_equal(stored[name][0][:, mx.array(slots)], flat).item()
+        assert stored[name].sum().item() == flat.sum().item()  # nothing written elsewhere
+    taken = [1, batch * tokens - 1]
+    buffers.write_at(mx.array([5, 6], dtype=mx.int32), {"a": new[0] * 0 + 9, "b": new[1]}, take=mx.array(taken))
+    flat = new[1].transpose(1, 0, 2, 3).reshape(8, batch * tokens, 32)
+    assert mx.array_equal(buffers.read()["b"][0][:, mx.array([5, 6])], flat[:, mx.array(taken)]).item()
+    assert (buffers.read()["a"][0][:, mx.array([5, 6])] == 9).all().item()
+
+
 @pytest.mark.parametrize(
     ("stacks", "message"),
     [
