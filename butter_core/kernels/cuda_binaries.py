@@ -25,8 +25,8 @@ the inputs, the outputs, then the scalars), not on a documented contract. So onc
 install butter runs a probe kernel this way in a child process (a kernel launched with the
 wrong parameters faults the GPU and leaves that process's CUDA context unusable) and
 compares its output; if anything fails — another MLX, no NVRTC, an unwritable directory —
-butter warns once and every kernel takes ``mx.fast.cuda_kernel`` as before. The path is opt-in (``BUTTER_CUDA_BINARIES=1``) until it
-has been run and measured on a GPU.
+butter warns once and every kernel takes ``mx.fast.cuda_kernel`` as before. The path is
+opt-in (``BUTTER_CUDA_BINARIES=1``) until it has been run and measured on a GPU.
 """
 
 from __future__ import annotations

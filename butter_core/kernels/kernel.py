@@ -254,7 +254,8 @@ class Kernel:
     def _binary(self, template: Sequence[TemplateArg], inputs: Sequence[mx.array],
                 output_dtypes: Sequence[mx.Dtype], verbose: bool) -> cuda_binaries.Rendered | None:
         """This call's build compiled by ``cuda_binaries`` and placed where MLX loads it, or None
-        where it cannot be (the kernel reads strides, or NVRTC rejects the stand-alone source:
+        where it cannot be (the kernel reads strides, NVRTC rejects the stand-alone source, or a
+        directory cannot be written:
         warned once, and the kernel runs through ``mx.fast.cuda_kernel``)."""
         key = (tuple(template), tuple(x.dtype for x in inputs), tuple(x.ndim for x in inputs), tuple(output_dtypes))
         if key in self._binaries:
@@ -264,7 +265,7 @@ class Kernel:
             try:
                 rendered = cuda_binaries.render(self, *key)
                 cuda_binaries.place(rendered)
-            except cuda_binaries.CudaBinaryError as error:
+            except (cuda_binaries.CudaBinaryError, OSError) as error:  # OSError: a directory not writable here
                 warnings.warn(f"butter: kernel {self.name!r} compiles through mx.fast.cuda_kernel: {error}",
                               stacklevel=3)
                 rendered = None
