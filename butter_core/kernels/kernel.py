@@ -255,8 +255,8 @@ class Kernel:
                 output_dtypes: Sequence[mx.Dtype], verbose: bool) -> cuda_binaries.Rendered | None:
         """This call's build compiled by ``cuda_binaries`` and placed where MLX loads it, or None
         where it cannot be (the kernel reads strides, NVRTC rejects the stand-alone source, or a
-        directory cannot be written:
-        warned once, and the kernel runs through ``mx.fast.cuda_kernel``)."""
+        directory cannot be written: warned once, and the kernel runs through
+        ``mx.fast.cuda_kernel``)."""
         key = (tuple(template), tuple(x.dtype for x in inputs), tuple(x.ndim for x in inputs), tuple(output_dtypes))
         if key in self._binaries:
             rendered = self._binaries[key]
