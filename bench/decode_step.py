@@ -38,8 +38,8 @@ Wall clock, host included (issue 32's method, docs/benchmarks.md). Kernel-only f
    ``LATENCY_TOKENS`` greedy tokens: the warm-up's time, time to the first token, the first
    decode step, the median of the steady steps after it, and the slowest step. Run it twice with the same
    ``MLX_PTX_CACHE_DIR`` and ``BUTTER_CACHE_DIR`` (first empty) to see what kernels compiled
-   once per install (``BUTTER_CUDA_BINARIES=1``: ``butter_core.kernels.cuda_binaries``)
-   save a second process, against MLX's own per-process JIT (the default).
+   once per install (the default: ``butter_core.kernels.cuda_binaries``) save a second
+   process, against MLX's own per-process JIT (``BUTTER_CUDA_BINARIES=0``).
 
 Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
 

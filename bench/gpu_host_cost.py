@@ -10,8 +10,8 @@ compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugin
    a call (``build``: the Python call that returns its output) and to evaluate it
    (``eval``: 400 calls evaluated together, per call), medians of ``gpu_timing.REPEATS``
    rounds (``gpu_timing.amortised``); as ``mx.fast.cuda_kernel`` and as a butter ``Kernel``
-   (through MLX's JIT, or with ``BUTTER_CUDA_BINARIES=1`` a binary compiled once per
-   install, ``cuda_binaries``).
+   (a binary compiled once per install, ``cuda_binaries``, or with ``BUTTER_CUDA_BINARIES=0``
+   through MLX's JIT).
 2. A decode step's attention through butter-aura's and butter-affine's kernels (bf16, 16
    query / 8 KV heads, head_dim 128, 4k keys), built and evaluated the same way, against
    MLX's SDPA on raw bf16 of the same shape; each scheme's both as a call built anew and

@@ -70,11 +70,22 @@ def test_mlx_kernel_dir_follows_mlx_rules(monkeypatch, tmp_path):
     assert cuda_binaries.mlx_kernel_dir() == tmp_path / "ptx"
 
 
-def test_the_path_is_opt_in(monkeypatch):
-    monkeypatch.delenv(cuda_binaries.ENV_SWITCH, raising=False)
+def test_zero_turns_the_path_off(monkeypatch):
+    """``BUTTER_CUDA_BINARIES=0`` compiles through MLX's JIT, even on a GPU whose probe passed."""
+    monkeypatch.setenv(cuda_binaries.ENV_SWITCH, "0")
     cuda_binaries.available.cache_clear()
     try:
         assert not cuda_binaries.available()
+    finally:
+        cuda_binaries.available.cache_clear()
+
+
+def test_the_path_needs_cuda(monkeypatch):
+    """Unset, the path is on wherever MLX has CUDA (its probe passes there), and off elsewhere."""
+    monkeypatch.delenv(cuda_binaries.ENV_SWITCH, raising=False)
+    cuda_binaries.available.cache_clear()
+    try:
+        assert cuda_binaries.available() == mx.cuda.is_available()
     finally:
         cuda_binaries.available.cache_clear()
 

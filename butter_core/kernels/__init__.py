@@ -13,7 +13,7 @@
   execution model, against their references (needs g++ 12+).
 - ``cuda_emulator``: the same for kernels' CUDA builds, the tensor-core vocabulary's PTX
   replaced by software, so kernels only a CUDA GPU runs are checked on any machine.
-- ``cuda_binaries``: opt-in (``BUTTER_CUDA_BINARIES=1``): CUDA builds compiled once per
+- ``cuda_binaries``: the default on CUDA (``BUTTER_CUDA_BINARIES=0`` turns it off): builds compiled once per
   install with NVRTC and run through ``mx.fast.precompiled_cuda_kernel``;
   ``cuda_compile_check`` compiles a scheme's builds that way without a GPU.
 - ``checks``: ``KernelCheck``, a kernel paired with its pure-mx reference;

@@ -26,7 +26,8 @@ install butter runs a probe kernel this way in a child process (a kernel launche
 wrong parameters faults the GPU and leaves that process's CUDA context unusable) and
 compares its output; if anything fails — another MLX, no NVRTC, an unwritable directory —
 butter warns once and every kernel takes ``mx.fast.cuda_kernel`` as before. The path is
-opt-in (``BUTTER_CUDA_BINARIES=1``) until it has been run and measured on a GPU.
+the default on CUDA; ``BUTTER_CUDA_BINARIES=0`` turns it off (measured on an H100:
+docs/benchmarks.md, "Issue 32 and 33 on an H100, fourth session").
 """
 
 from __future__ import annotations
@@ -55,9 +56,8 @@ if TYPE_CHECKING:
     from butter_core.kernels.kernel import Build, Kernel, TemplateArg
 
 ENV_SWITCH = "BUTTER_CUDA_BINARIES"
-"""``1`` runs kernels from binaries compiled once per install; anything else (the default,
-until this path has been measured on a GPU: docs/architecture.md) compiles every kernel
-through ``mx.fast.cuda_kernel``."""
+"""``0`` compiles every kernel through ``mx.fast.cuda_kernel`` in each process; unset or
+anything else runs kernels from binaries compiled once per install (docs/architecture.md)."""
 
 CUDA_TYPES = {
     mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.bool_: "bool",
@@ -375,10 +375,10 @@ def _probe_elsewhere() -> str | None:
 @functools.cache
 def available() -> bool:
     """Whether kernels run from binaries compiled here: MLX has CUDA, ``BUTTER_CUDA_BINARIES``
-    is ``1``, and the probe kernel run that way gave the right answer, in a process of its own,
+    is not ``0``, and the probe kernel run that way gave the right answer, in a process of its own,
     once per install (a marker beside the binaries records it). Warns once, naming the reason,
     where the probe fails."""
-    if os.environ.get(ENV_SWITCH) != "1" or not mx.cuda.is_available():
+    if os.environ.get(ENV_SWITCH) == "0" or not mx.cuda.is_available():
         return False
     try:
         marker = binary_store() / f"{_probe().symbol}.passed"
@@ -391,7 +391,7 @@ def available() -> bool:
         reason = str(error)
     if reason is not None:
         warnings.warn(f"butter: CUDA kernels compile in every process (mx.fast.cuda_kernel), because running a "
-                      f"precompiled kernel failed: {reason}. Unset {ENV_SWITCH} to silence this.", stacklevel=2)
+                      f"precompiled kernel failed: {reason}. Set {ENV_SWITCH}=0 to silence this.", stacklevel=2)
         return False
     return True
 

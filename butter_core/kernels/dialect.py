@@ -114,7 +114,7 @@ What MLX generates (read from MLX's custom-kernel sources, mlx 0.32):
   ``cuda::std::array<int32_t|int64_t, 10>``; dtypes map to ``float``, ``__half``,
   ``__nv_bfloat16``. MLX's own header defines the macro ``inf`` (so never use ``inf`` as a
   name); there is no ``uint`` type. It compiles with NVRTC, C++17, functions device by
-  default. With ``BUTTER_CUDA_BINARIES=1`` ``Kernel`` instead renders a CUDA build itself
+  default. By default (``BUTTER_CUDA_BINARIES`` not ``0``) ``Kernel`` instead renders a CUDA build itself
   (``cuda_binaries``: the same body, template constants and ``<name>_shape`` locals, under
   an ``extern "C"`` signature of its own, without MLX's header), compiles it once per
   install and runs it through ``mx.fast.precompiled_cuda_kernel``. Through MLX's

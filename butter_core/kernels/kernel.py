@@ -128,7 +128,7 @@ class Kernel:
     CUDA kernels support. ``mma`` adds the dialect's tensor-core vocabulary to the header
     (``bt_mma_16x8x16`` and friends). Nothing is compiled until the first call. MLX compiles
     once per process and distinct ``template`` (on CUDA also per source and dtypes:
-    ``BUILD_KEY``); on CUDA with ``BUTTER_CUDA_BINARIES=1`` a build (template values, dtypes,
+    ``BUILD_KEY``); on CUDA, unless ``BUTTER_CUDA_BINARIES=0``, a build (template values, dtypes,
     ranks) is compiled once per install by ``cuda_binaries`` instead.
     """
 
