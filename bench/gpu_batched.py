@@ -6,8 +6,11 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
 ``--decode-tokens`` greedy tokens each, no stop token.
 
 - butter, per scheme (``--kv-cache``): ``make_batched_caches`` with exactly the pages the run
-  needs, ``BatchGeneration`` prefilling 8 whole prompts per step; decode tok/s is the
-  aggregate after every sequence has its first token (``benchmark.steady_decode_rate``).
+  needs, ``BatchGeneration`` prefilling up to 8 whole prompts and at most ``--prefill-tokens``
+  tokens per step (so the prefill's peak is bounded by that budget, not by B); decode tok/s is
+  the aggregate over the steps in which all B sequences decode (``benchmark.decode_together``:
+  each sequence gets as many more tokens as there are prefill steps, so the first ones to start
+  are still decoding when the last one starts).
 - mlx-lm 0.32.2: the core of its batched decode restated (importing ``mlx_lm.generate`` needs
   transformers, which the GPU machine lacks): ``BatchKVCache`` per layer, all B prompts
   prefilled together in chunks of 2048 (its default step), then one ``[B, 1]`` forward per
@@ -16,20 +19,23 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
 
 Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
 before), and split into the KV storage allocated at the end of the run (butter's pages and
-per-sequence rows; mlx-lm's batch caches) and the rest (activations, prefill transients). ``--page-size`` runs each butter scheme at each
-page size (``scheme@pN``; default ``batched.PAGE_SIZE``). "floor" is the aggregate tok/s a
+per-sequence rows; mlx-lm's batch caches) and the rest (activations, prefill transients).
+``--page-size`` runs each butter scheme at each page size (``scheme@pN``; default
+``batched.PAGE_SIZE``). ``--capacity-factor F`` allocates F times the pages the run needs (a
+step whose time grows with F copies its storage). "floor" is the aggregate tok/s a
 step would reach if it only read the model's weights once and every sequence's live KV
 bytes once, at the read bandwidth measured at start (a sum over a large array): issue 33's
 "how far each is from its floor". ``--small`` shrinks the model to check the script on a CPU.
 Usage:
 
     python3 bench/gpu_batched.py [--batch 1 8 32 64] [--context 4096] [--decode-tokens 64]
-        [--kv-cache raw,affine4,aura4v2] [--page-size 16 64 256] [--small]
+        [--kv-cache raw,affine4,aura4v2] [--page-size 16 64 256] [--prefill-tokens 16384] [--capacity-factor 1] [--small]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import itertools
 import importlib.util
@@ -44,7 +50,7 @@ from mlx.utils import tree_flatten
 from butter_core import LoadOptions, parse_kv_cache
 from butter_core.batch_generation import BatchGeneration
 from butter_core.batched import PAGE_SIZE
-from butter_core.benchmark import steady_decode_rate
+from butter_core.benchmark import decode_budget, decode_together
 from butter_core.engine import Engine
 from butter_core.loading.weights import build_model
 from gpu_bench import QWEN3_1_7B, SMALL_MODEL
@@ -73,23 +79,17 @@ def read_bandwidth(gib: float) -> float:
     return x.nbytes / min(times)
 
 
-def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int = PAGE_SIZE) -> dict:
+def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int, prefill: int, spare: int) -> dict:
     engine = Engine(network, LoadOptions(kv_cache=kind))
     batch, context = prompts.shape
-    pages = -(-(context + decode) // page_size)
-    caches = engine.make_batched_caches(capacity_tokens=batch * pages * page_size, page_size=page_size,
+    chunk = min(PREFILL_SEQUENCES * context, prefill)
+    pages = -(-(context + decode_budget([context] * batch, chunk, decode)) // page_size)
+    caches = engine.make_batched_caches(capacity_tokens=spare * batch * pages * page_size, page_size=page_size,
                                         max_sequences=batch)  # fmt: skip
-    generation = BatchGeneration(engine, caches, prefill_chunk=PREFILL_SEQUENCES * context)
+    generation = BatchGeneration(engine, caches, prefill_chunk=chunk)
     mx.synchronize()
     mx.reset_peak_memory()
-    start = time.perf_counter()
-    for row in range(batch):
-        generation.add(prompts[row], max_tokens=decode, stop_ids=())
-    arrivals = []
-    while generation.active:
-        for sequence, _ in generation.step():
-            arrivals.append((sequence, time.perf_counter() - start))
-    first, rate = steady_decode_rate(arrivals)
+    first, rate = decode_together(generation, list(prompts), decode)
     return {"first_s": first, "tok_s": rate, "peak_gib": mx.get_peak_memory() / 2**30,
             "kv_gib": caches.nbytes_allocated / 2**30, "bytes_per_position": caches.bytes_per_position}  # fmt: skip
 
@@ -139,6 +139,10 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--kv-cache", default="raw,affine4,aura4v2")
     parser.add_argument("--page-size", type=int, nargs="+", default=[PAGE_SIZE])
+    parser.add_argument("--prefill-tokens", type=int, default=16384, help="butter's prefill budget per step")
+    parser.add_argument("--capacity-factor", type=int, default=1,
+                        help="allocate butter's storage this many times what the run needs: a step whose time grows "
+                             "with it copies its storage")  # fmt: skip
     parser.add_argument("--small", action="store_true", help="a small model: a CPU check of the script")
     args = parser.parse_args()
     config = SMALL_MODEL if args.small else QWEN3_1_7B
@@ -161,7 +165,9 @@ def main() -> None:
         engines = [("mlx-lm", lambda: run_mlx_lm(reference, prompts, args.decode_tokens))]
         for kind, page in itertools.product(kinds, args.page_size):
             label = str(kind) if args.page_size == [PAGE_SIZE] else f"{kind}@p{page}"
-            engines.append((label, lambda kind=kind, page=page: run_butter(network, kind, prompts, args.decode_tokens, page)))
+            measure = functools.partial(run_butter, network, kind, prompts, args.decode_tokens, page,
+                                        args.prefill_tokens, args.capacity_factor)  # fmt: skip
+            engines.append((label, measure))
         for name, run in engines:
             try:
                 run()  # the first run of each compiles its kernels

@@ -24,10 +24,10 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import attrs
 import mlx.core as mx
@@ -46,6 +46,9 @@ from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
 from butter_core.progress import Progress
 from butter_core.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from butter_core.batch_generation import BatchGeneration
 
 BASELINE = DEFAULT_KV_CACHE
 """The scheme every other is compared with (its CLI string): raw, unquantized K/V in the model's dtype."""
@@ -258,16 +261,57 @@ class BatchRun:
     peak_memory: int
 
 
-def steady_decode_rate(arrivals: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """``(seconds until every sequence had its first token, tokens per second after that)`` from
-    ``(sequence, seconds since the start)`` arrival times: the rate of the steady state in which
-    every sequence decodes (NaN when no token came after)."""
-    first: dict[int, float] = {}
-    for sequence, at in arrivals:
-        first.setdefault(sequence, at)
-    start = max(first.values())
-    later = [at for _, at in arrivals if at > start]
-    return start, (len(later) / (later[-1] - start) if later else math.nan)
+def steady_decode_rate(steps: Sequence[tuple[float, Sequence[int]]]) -> tuple[float, float]:
+    """``(seconds until every sequence had its first token, tokens per second while every sequence
+    decodes)`` from each step's ``(seconds since the start, sequences that got a token)``: the window
+    runs from the step that gave the last sequence its first token to the step that gave some
+    sequence its last (NaN when it holds no step). Where prompts are prefilled a chunk at a time, the
+    first sequences decode while later ones still prefill and may end before the last one starts;
+    ``decode_budget`` gives each enough tokens that the window holds every sequence."""
+    every = set().union(*(sequences for _, sequences in steps))
+    seen: set[int] = set()
+    start, last = None, {}
+    for index, (_, sequences) in enumerate(steps):
+        seen.update(sequences)
+        if start is None and seen == every:
+            start = index
+        last.update((sequence, index) for sequence in sequences)
+    end = min(last.values())
+    seconds = steps[start][0]
+    if end <= start:
+        return seconds, math.nan
+    tokens = sum(len(sequences) for _, sequences in steps[start + 1 : end + 1])
+    return seconds, tokens / (steps[end][0] - seconds)
+
+
+def decode_budget(prompt_lengths: Sequence[int], prefill_chunk: int, decode_tokens: int) -> int:
+    """``max_tokens`` for each of these prompts, generated together, that keeps every sequence decoding
+    for ``decode_tokens`` steps after the last one's first token (``steady_decode_rate``'s window): a
+    sequence decodes a token per step while the others prefill, which takes at most a step per
+    ``prefill_chunk`` tokens of each prompt."""
+    return decode_tokens + sum(-(-n // prefill_chunk) for n in prompt_lengths)
+
+
+def decode_together(generation: BatchGeneration, prompts: Sequence, decode_tokens: int,
+                    on_step: Callable[[], None] | None = None) -> tuple[float, float]:
+    """``steady_decode_rate`` of ``prompts`` generated together by ``generation``: each added with
+    ``decode_budget`` tokens and no stop token, then steps (``on_step`` after each) until a sequence
+    has ended after every one started, which closes the window."""
+    budget = decode_budget([len(p) for p in prompts], generation.prefill_chunk, decode_tokens)
+    start = time.perf_counter()
+    for prompt in prompts:
+        generation.add(prompt, max_tokens=budget, stop_ids=())
+    steps, produced = [], {}
+    while generation.active:
+        sequences = [sequence for sequence, _ in generation.step()]
+        steps.append((time.perf_counter() - start, sequences))
+        if on_step is not None:
+            on_step()
+        for sequence in sequences:
+            produced[sequence] = produced.get(sequence, 0) + 1
+        if len(produced) == len(prompts) and max(produced.values()) == budget:
+            break
+    return steady_decode_rate(steps)
 
 
 def generate_batch_once(engine: Engine, prompts: Sequence[Sequence[int]], decode_tokens: int) -> BatchRun:
@@ -275,21 +319,18 @@ def generate_batch_once(engine: Engine, prompts: Sequence[Sequence[int]], decode
     batched caches holding exactly their positions (whole pages)."""
     from butter_core.batch_generation import BatchGeneration
 
-    page = PAGE_SIZE
-    capacity = sum(-(-(len(p) + decode_tokens) // page) * page for p in prompts)
+    page, budget = PAGE_SIZE, decode_budget([len(p) for p in prompts], engine.prefill_chunk, decode_tokens)
+    capacity = sum(-(-(len(p) + budget) // page) * page for p in prompts)
     caches = engine.make_batched_caches(capacity_tokens=capacity, page_size=page, max_sequences=len(prompts))
-    generation = BatchGeneration(engine, caches)
     mx.reset_peak_memory()
-    start = time.perf_counter()
-    for prompt in prompts:
-        generation.add(prompt, max_tokens=decode_tokens, stop_ids=())
-    arrivals, live, positions = [], 0, 0
-    while generation.active:
-        for sequence, _ in generation.step():
-            arrivals.append((sequence, time.perf_counter() - start))
-        if caches.nbytes_live > live:
-            live, positions = caches.nbytes_live, caches.live_positions
-    first, rate = steady_decode_rate(arrivals)
+    most = {"live": 0, "positions": 0}
+
+    def note_live() -> None:
+        if caches.nbytes_live > most["live"]:
+            most.update(live=caches.nbytes_live, positions=caches.live_positions)
+
+    first, rate = decode_together(BatchGeneration(engine, caches), prompts, decode_tokens, on_step=note_live)
+    live, positions = most["live"], most["positions"]
     return BatchRun(first, rate, caches.nbytes_allocated, live, positions, caches.state_bytes, mx.get_peak_memory())
 
 

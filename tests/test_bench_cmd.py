@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from butter_core.benchmark import BENCH_KEYS, METADATA_KEYS
+from butter_core.benchmark import BENCH_KEYS, METADATA_KEYS, decode_budget, steady_decode_rate
 from butter_core.cli import main
 from butter_core.cache import ATTENTION
 from butter_core.plugins import get_plugin_host
@@ -79,7 +79,8 @@ def test_batch_sizes_run_together_over_pages(capsys, model_path, tmp_path):
         element_bytes = 4 if r["scheme"] == "raw" else 2
         per_position = LAYERS * KV_HEADS * HEAD_DIM * 2 * element_bytes
         assert r["bytes_per_token"] == per_position
-        assert r["kv_bytes_live"] <= r["batch"] * (40 + 4) * per_position
+        # each of B sequences takes a prefill step's worth of tokens more than --decode-tokens (decode_budget)
+        assert r["kv_bytes_live"] <= r["batch"] * (40 + 4 + r["batch"]) * per_position
         assert r["kv_bytes_live"] < r["kv_bytes_allocated"] <= r["kv_bytes_live"] + r["batch"] * page * per_position
         assert r["decode_tok_s_per_sequence"] == pytest.approx(r["decode_tok_s"] / r["batch"])
         assert r["bytes_ratio_vs_raw"] == (1.0 if r["scheme"] == "raw" else 0.5)
@@ -153,3 +154,22 @@ def test_plot_is_a_png(capsys, model_path, tmp_path):
                      "--decode-tokens", "2", "--plot", str(plot))  # fmt: skip
     assert code == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_decode_rate_counts_the_steps_where_every_sequence_decodes():
+    """Sequence 1 starts two steps after sequence 0 (its prompt took more chunks) and outlives it: the
+    window runs from its first token (step 3) to sequence 0's last (step 5)."""
+    steps = [(0.1, []), (0.2, [0]), (0.3, [0]), (0.4, [0, 1]), (0.5, [0, 1]), (0.7, [0, 1]), (0.8, [1])]
+    first, rate = steady_decode_rate(steps)
+    assert first == 0.4 and rate == pytest.approx(4 / 0.3)
+
+
+def test_a_sequence_that_ends_before_the_last_starts_leaves_no_window():
+    first, rate = steady_decode_rate([(0.1, [0]), (0.2, [0]), (0.3, [1]), (0.4, [1])])
+    assert first == 0.3 and rate != rate  # NaN
+
+
+def test_the_decode_budget_outlasts_every_prefill_step():
+    """A sequence decodes a token per step while the others prefill: one step per chunk of each prompt."""
+    assert decode_budget([40, 40, 40], 512, 4) == 4 + 3
+    assert decode_budget([32768] * 16, 4096, 32) == 32 + 16 * 8
