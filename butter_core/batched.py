@@ -475,7 +475,14 @@ class Placement:
         self.lengths = mx.array(live, dtype=mx.int32)
         self.read_index = page_slots(self.table, page, self.length)
         queries = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(tokens, dtype=mx.int32)  # [B, T]
-        if self.fresh:
+        self.in_order = self.fresh and len(starts) == 1 and not step.ragged and starts[0] + tokens <= cap
+        """A fresh chunk of one sequence whose slots ``[0, live)`` hold its positions in order (no ring
+        has wrapped): it attends to them and its own rows under MLX's causal mask, which its fused
+        attention applies without a mask array (one of ``[tokens, live + tokens]`` bytes would be
+        made, and where no fused kernel serves it, a score matrix as large: issue 33's prefill peak)."""
+        if self.in_order:
+            self.mask = "causal"
+        elif self.fresh:
             held_positions = [
                 [s if start <= cap or s < window.keep else window.ring_position(s, start - 1) for s in range(n)]
                 + [2**30] * (self.length - n)
@@ -522,6 +529,8 @@ class BatchedLayer(StepView):
             if not place.wraps:
                 self._write(place, rows, keys, values)
             stored_keys, stored_values = self._stored(place)
+            if place.in_order:  # the causal mask sees every stored slot: only the live ones
+                stored_keys, stored_values = stored_keys[:, :, : place.live[0]], stored_values[:, :, : place.live[0]]
             chunk_keys, chunk_values = self._chunk_rows(place, rows, keys, values)
             out = attend(queries, mx.concatenate([stored_keys, chunk_keys.astype(stored_keys.dtype)], axis=2),
                          mx.concatenate([stored_values, chunk_values.astype(stored_values.dtype)], axis=2),
