@@ -68,7 +68,7 @@ def main() -> None:
             for splits in [None, *(args.splits if "mma" in name else [])]:
                 options = {} if splits is None else {"splits": splits}
                 try:
-                    seconds = timed(lambda: check.kernel(**inputs, **options), args.reps)
+                    seconds = timed(lambda inputs=inputs, options=options: check.kernel(**inputs, **options), args.reps)
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     print(f"| {shape} | {name} | {splits or 'plan'} | {type(exc).__name__}: {str(exc)[:80]} | |")
                     continue

@@ -144,7 +144,7 @@ class BatchedCaches:
                 self.storage.append(StatePool(spec, prototype.state_dtype, self.max_sequences))
                 continue
             one = attrs.evolve(spec, batch_size=1, max_positions=self.capacity_tokens)
-            buffers = SlotBuffers(one, self.capacity_tokens, prototype.slots.layout, row_stacks=prototype.slots.stacks)
+            buffers = SlotBuffers(one, self.capacity_tokens, prototype.slots.layout, stacks=prototype.slots.stacks)
             buffers.reserve(self.capacity_tokens, live=0)
             self.storage.append(buffers)
             self.states[len(self.storage) - 1] = prototype.sequence_state(
@@ -530,7 +530,8 @@ class BatchedLayer(StepView):
                 self._write(place, rows, keys, values)
             stored_keys, stored_values = self._stored(place)
             if place.in_order:  # the causal mask sees every stored slot: only the live ones
-                stored_keys, stored_values = stored_keys[:, :, : place.live[0]], stored_values[:, :, : place.live[0]]
+                live = place.live[0]
+                stored_keys, stored_values = stored_keys[:, :, :live], stored_values[:, :, :live]
             chunk_keys, chunk_values = self._chunk_rows(place, rows, keys, values)
             out = attend(queries, mx.concatenate([stored_keys, chunk_keys.astype(stored_keys.dtype)], axis=2),
                          mx.concatenate([stored_values, chunk_values.astype(stored_values.dtype)], axis=2),

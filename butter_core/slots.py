@@ -58,8 +58,8 @@ class SlotBuffers:
         self.step = step
         self.stacks = dict(stacks or {})
         self.row_stacks = dict(row_stacks or self.stacks)
-        """How the rows written here may come stacked (``write_at`` unstacks them): the stacks of
-        the scheme that encoded them, whatever this storage keeps."""
+        """How the rows written here may come stacked (``write_at`` restacks them as this storage
+        keeps them): the stacks of the scheme that encoded them."""
         self._home: dict[str, tuple[str, int]] = {}
         """Stacked buffer -> (its stack, its index there)."""
         for stack, members in self.stacks.items():
@@ -173,32 +173,40 @@ class SlotBuffers:
         self._storage, self._views = {}, None
 
     def write_at(self, slots: mx.array, rows: dict[str, mx.array], *, take: mx.array | None = None) -> None:
-        """Scatter ``rows`` into arbitrary slots of a batch-1 storage: ``rows`` by buffer name (or by
-        stack, unstacked here), each ``[batch, heads, tokens, width]``, row ``(b, t)`` (flat index
-        ``b * tokens + t``) to slot ``slots[b * tokens + t]``; with ``take``, only those flat rows,
-        row ``take[i]`` to ``slots[i]``. Slots allocated and distinct. What a paged store writes
-        with, one call per layer for every sequence of a step."""
-        if self.spec.batch_size != 1 or self.stacks:
-            raise ConfigError("write_at writes into an unstacked batch-1 storage (paged storage)")
+        """Scatter ``rows`` into arbitrary slots of a batch-1 storage: ``rows`` by this storage's keys
+        (its stacks ``[n, batch, heads, tokens, width]`` and unstacked buffers), or by buffer name or
+        by ``row_stacks`` (restacked here), each ``[batch, heads, tokens, width]``; row ``(b, t)``
+        (flat index ``b * tokens + t``) to slot ``slots[b * tokens + t]``; with ``take``, only those
+        flat rows, row ``take[i]`` to ``slots[i]``. Slots allocated and distinct. What a paged store
+        writes with, one call per layer for every sequence of a step: one scatter per stored array
+        (two for butter-affine's six buffers, kept in two stacks)."""
+        if self.spec.batch_size != 1:
+            raise ConfigError("write_at writes into a batch-1 storage (paged storage)")
         self._views = None
-        column = slots[None, None, :, None]
-        for name, array in unstack(rows, self._row_stacks(rows)).items():
-            batch, heads, tokens, width = array.shape
-            array = array.astype(self.layout[name][1])
-            # [1, heads, batch * tokens, width]; one token each is a view (ScatterAxis reads strided updates)
-            flat = (array.transpose(2, 1, 0, 3) if tokens == 1 else
-                    array.transpose(1, 0, 2, 3).reshape(1, heads, batch * tokens, width))  # fmt: skip
-            flat = flat if take is None else flat[:, :, take]
+        column = slots[:, None]  # broadcast over every leading axis
+        for key, array in self._as_stored(rows).items():
+            *lead, batch, heads, tokens, width = array.shape
+            array = array.astype(self._storage[key].dtype)
+            # [..., 1, heads, batch * tokens, width]; one token each is a view (ScatterAxis reads strided updates)
+            flat = (array.swapaxes(-4, -2) if tokens == 1 else
+                    array.swapaxes(-4, -3).reshape(*lead, 1, heads, batch * tokens, width))  # fmt: skip
+            flat = flat if take is None else mx.take(flat, take, axis=-2)
             where = mx.broadcast_to(column, flat.shape)
-            self._storage[name] = mx.put_along_axis(self._storage[name], where, flat, axis=2)
+            self._storage[key] = mx.put_along_axis(self._storage[key], where, flat, axis=-2)
+
+    def _as_stored(self, rows: dict[str, mx.array]) -> dict[str, mx.array]:
+        """``rows`` by this storage's keys: as they come where they match them (an encoder of the same
+        stacks: no operation), else unstacked by name and stacked as this storage keeps them."""
+        if rows.keys() == self._storage.keys():
+            return rows
+        named = unstack(rows, {key: self.row_stacks[key] for key in rows if key in self.row_stacks})
+        stored = {key: mx.stack([named[name] for name in members]) for key, members in self.stacks.items()}
+        return stored | {name: array for name, array in named.items() if name not in self._home}
 
     def read_at(self, index: mx.array) -> dict[str, mx.array]:
         """The rows of slots ``index`` (``[batch, length]``) of a batch-1 storage, by buffer name, each
         ``[batch, heads, length, width]``: one sequence's pages per batch row, gathered (``gather_rows``)."""
-        return {name: gather_rows(array, index) for name, array in self._storage.items()}
-
-    def _row_stacks(self, rows: dict[str, mx.array]) -> Stacks:
-        return {key: self.row_stacks[key] for key in rows if key in self.row_stacks}
+        return {name: gather_rows(array, index) for name, array in self.read().items()}
 
 
 def gather_rows(storage: mx.array, index: mx.array) -> mx.array:
