@@ -51,15 +51,12 @@ class SlotBuffers:
     """
 
     def __init__(self, spec: LayerSpec, capacity: int, layout: Layout, step: int = GROWTH_STEP,
-                 stacks: Stacks | None = None, row_stacks: Stacks | None = None):
+                 stacks: Stacks | None = None):
         self.spec = spec
         self.capacity = capacity
         self.layout = layout
         self.step = step
         self.stacks = dict(stacks or {})
-        self.row_stacks = dict(row_stacks or self.stacks)
-        """How the rows written here may come stacked (``write_at`` restacks them as this storage
-        keeps them): the stacks of the scheme that encoded them."""
         self._home: dict[str, tuple[str, int]] = {}
         """Stacked buffer -> (its stack, its index there)."""
         for stack, members in self.stacks.items():
@@ -174,10 +171,10 @@ class SlotBuffers:
 
     def write_at(self, slots: mx.array, rows: dict[str, mx.array], *, take: mx.array | None = None) -> None:
         """Scatter ``rows`` into arbitrary slots of a batch-1 storage: ``rows`` by this storage's keys
-        (its stacks ``[n, batch, heads, tokens, width]`` and unstacked buffers), or by buffer name or
-        by ``row_stacks`` (restacked here), each ``[batch, heads, tokens, width]``; row ``(b, t)``
-        (flat index ``b * tokens + t``) to slot ``slots[b * tokens + t]``; with ``take``, only those
-        flat rows, row ``take[i]`` to ``slots[i]``. Slots allocated and distinct. What a paged store
+        (its stacks ``[n, batch, heads, tokens, width]`` and unstacked buffers) or by buffer name
+        (stacked here), each ``[batch, heads, tokens, width]``; row ``(b, t)`` (flat index ``b *
+        tokens + t``) to slot ``slots[b * tokens + t]``; with ``take``, only those flat rows, row
+        ``take[i]`` to ``slots[i]``. Slots allocated and distinct. What a paged store
         writes with, one call per layer for every sequence of a step: one scatter per stored array
         (two for butter-affine's six buffers, kept in two stacks)."""
         if self.spec.batch_size != 1:
@@ -196,12 +193,11 @@ class SlotBuffers:
 
     def _as_stored(self, rows: dict[str, mx.array]) -> dict[str, mx.array]:
         """``rows`` by this storage's keys: as they come where they match them (an encoder of the same
-        stacks: no operation), else unstacked by name and stacked as this storage keeps them."""
+        stacks: no operation), else by buffer name, stacked as this storage keeps them."""
         if rows.keys() == self._storage.keys():
             return rows
-        named = unstack(rows, {key: self.row_stacks[key] for key in rows if key in self.row_stacks})
-        stored = {key: mx.stack([named[name] for name in members]) for key, members in self.stacks.items()}
-        return stored | {name: array for name, array in named.items() if name not in self._home}
+        stored = {key: mx.stack([rows[name] for name in members]) for key, members in self.stacks.items()}
+        return stored | {name: array for name, array in rows.items() if name not in self._home}
 
     def read_at(self, index: mx.array) -> dict[str, mx.array]:
         """The rows of slots ``index`` (``[batch, length]``) of a batch-1 storage, by buffer name, each
