@@ -17,7 +17,8 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
   step, each step's graph built while the previous evaluates (``mx.async_eval``), as its
   ``GenerationBatch`` does; decode tok/s = B * (steps - 1) / time between first and last.
 
-Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
+"median step" is the median time between the steps in which every sequence got a token
+(mlx-lm: between steps), a check on the aggregate rate's window against stalls. Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
 before), and split into the KV storage allocated at the end of the run (butter's pages and
 per-sequence rows; mlx-lm's batch caches) and the rest (activations, prefill transients).
 ``--page-size`` runs each butter scheme at each page size (``scheme@pN``; default
@@ -29,7 +30,8 @@ bytes once, at the read bandwidth measured at start (a sum over a large array): 
 Usage:
 
     python3 bench/gpu_batched.py [--batch 1 8 32 64] [--context 4096] [--decode-tokens 64]
-        [--kv-cache raw,affine4,aura4v2] [--page-size 16 64 256] [--prefill-tokens 16384] [--capacity-factor 1] [--small]
+        [--kv-cache raw,affine4,aura4v2] [--page-size 16 64 256] [--prefill-tokens 16384] [--capacity-factor 1]
+        [--once] [--no-mlx-lm] [--small]
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import functools
 import importlib
 import itertools
 import importlib.util
+import math
+import statistics
 import sys
 import time
 import types
@@ -89,8 +93,12 @@ def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int, pr
     generation = BatchGeneration(engine, caches, prefill_chunk=chunk)
     mx.synchronize()
     mx.reset_peak_memory()
-    first, rate = decode_together(generation, list(prompts), decode)
-    return {"first_s": first, "tok_s": rate, "peak_gib": mx.get_peak_memory() / 2**30,
+    ends = []
+    first, rate = decode_together(generation, list(prompts), decode,
+                                  on_step=lambda got: ends.append((time.perf_counter(), len(got))))  # fmt: skip
+    steps = [b - a for (a, _), (b, n) in itertools.pairwise(ends) if n == batch]
+    return {"first_s": first, "tok_s": rate, "step_ms": statistics.median(steps) * 1e3 if steps else math.nan,
+            "peak_gib": mx.get_peak_memory() / 2**30,
             "kv_gib": caches.nbytes_allocated / 2**30, "bytes_per_position": caches.bytes_per_position}  # fmt: skip
 
 
@@ -112,6 +120,7 @@ def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
     times = pipelined_decode(step, prompts[:, -1], decode, start)
     args = model.args
     return {"first_s": times[0], "tok_s": batch * (decode - 1) / (times[-1] - times[0]),
+            "step_ms": statistics.median(b - a for a, b in itertools.pairwise(times)) * 1e3,
             "peak_gib": mx.get_peak_memory() / 2**30, "kv_gib": sum(c.nbytes for c in caches) / 2**30,
             "bytes_per_position": args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 2}  # fmt: skip
 
@@ -143,6 +152,10 @@ def main() -> None:
     parser.add_argument("--capacity-factor", type=int, default=1,
                         help="allocate butter's storage this many times what the run needs: a step whose time grows "
                              "with it copies its storage")  # fmt: skip
+    parser.add_argument("--once", action="store_true",
+                        help="one run per engine, not a compiling run first (long contexts: the prefill kernels "
+                             "compile before the decode window opens)")  # fmt: skip
+    parser.add_argument("--no-mlx-lm", action="store_true", help="butter's schemes only")
     parser.add_argument("--small", action="store_true", help="a small model: a CPU check of the script")
     args = parser.parse_args()
     config = SMALL_MODEL if args.small else QWEN3_1_7B
@@ -162,7 +175,7 @@ def main() -> None:
     for batch in args.batch:
         prompts = mx.random.randint(0, config["vocab_size"], (batch, args.context), key=mx.random.key(batch)).astype(mx.uint32)
         results = {}
-        engines = [("mlx-lm", lambda: run_mlx_lm(reference, prompts, args.decode_tokens))]
+        engines = [] if args.no_mlx_lm else [("mlx-lm", lambda: run_mlx_lm(reference, prompts, args.decode_tokens))]
         for kind, page in itertools.product(kinds, args.page_size):
             label = str(kind) if args.page_size == [PAGE_SIZE] else f"{kind}@p{page}"
             measure = functools.partial(run_butter, network, kind, prompts, args.decode_tokens, page,
@@ -170,12 +183,13 @@ def main() -> None:
             engines.append((label, measure))
         for name, run in engines:
             try:
-                run()  # the first run of each compiles its kernels
+                if not args.once:
+                    run()  # the first run of each compiles its kernels
                 results[name] = run()
             except Exception as exc:  # noqa: BLE001 - report and go on (out of memory at large B)
                 results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
             mx.clear_cache()
-        base = results["mlx-lm"].get("tok_s")
+        base = results.get("mlx-lm", {}).get("tok_s")
         for name, r in results.items():
             if "error" in r:
                 print(f"B={batch:<3} {name:<9} {r['error']}", flush=True)
@@ -183,7 +197,7 @@ def main() -> None:
             ratio = f"{r['tok_s'] / base:.2f}x mlx-lm" if base else ""
             step_bytes = weights + batch * (args.context + args.decode_tokens / 2) * r["bytes_per_position"]
             floor = batch * bandwidth / step_bytes
-            print(f"B={batch:<3} {name:<13} {r['tok_s']:9.1f} tok/s  all first tokens {r['first_s']:6.2f} s  "
+            print(f"B={batch:<3} {name:<13} {r['tok_s']:9.1f} tok/s  median step {r['step_ms']:6.2f} ms  all first tokens {r['first_s']:6.2f} s  "
                   f"peak {r['peak_gib']:6.2f} GiB (KV {r['kv_gib']:.2f}, the rest {r['peak_gib'] - r['kv_gib']:.2f})  "
                   f"floor {floor:8.0f} tok/s ({r['tok_s'] / floor:.2f} of it)  {ratio}", flush=True)  # fmt: skip
 

@@ -1,6 +1,7 @@
 """Each scheme's paged decode kernel alone, on the machine's GPU: one layer's call for B sequences of
-L live slots each (pages of 64 scattered through the storage), built and evaluated, wall clock, against
-the bytes it must read. A diagnosis of batched decode (``gpu_batched.py``), not a result.
+L live slots each (pages of 64 scattered through the storage), built and evaluated, wall clock (and
+the part of it spent building the call on the host), against the bytes it must read. A diagnosis of
+batched decode (``gpu_batched.py``), not a result.
 
 Inputs come from each plugin's ``KERNEL_CHECKS`` (``make_inputs``); aura's codes are random words
 (``encoded=False``). ``--splits`` forces the tensor-core kernels' split counts besides their own plan.
@@ -32,17 +33,21 @@ def checks():
     yield "aura4v2 mma", pick(AURA, "paged_decode_attention_mma"), {"encoded": False}
 
 
-def timed(call, reps: int) -> float:
+def timed(call, reps: int) -> tuple[float, float]:
+    """Median seconds of a call built and evaluated, and of building it alone (the host's part)."""
     for _ in range(2):
         mx.eval(call())
-    times = []
+    times, builds = [], []
     for _ in range(reps):
         mx.synchronize()
         start = time.perf_counter()
-        mx.eval(call())
+        out = call()
+        built = time.perf_counter()
+        mx.eval(out)
         mx.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        builds.append(built - start)
+    return statistics.median(times), statistics.median(builds)
 
 
 def main() -> None:
@@ -52,7 +57,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
     print(f"MLX {mx.__version__}, {mx.device_info().get('device_name', '')}; 32 q / 8 kv heads, D 128, bf16, pages of 64")
-    print("| B x L | kernel | splits | ms | GB/s of its bytes |\n|---|---|---|---:|---:|")
+    print("| B x L | kernel | splits | ms | of which building the call | GB/s of its bytes |\n|---|---|---|---:|---:|---:|")
     for shape in args.shape:
         batch, length = map(int, shape.split("x"))
         for name, check, sizes in checks():
@@ -68,11 +73,13 @@ def main() -> None:
             for splits in [None, *(args.splits if "mma" in name else [])]:
                 options = {} if splits is None else {"splits": splits}
                 try:
-                    seconds = timed(lambda inputs=inputs, options=options: check.kernel(**inputs, **options), args.reps)
+                    call = lambda inputs=inputs, options=options: check.kernel(**inputs, **options)  # noqa: E731
+                    seconds, build = timed(call, args.reps)
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     print(f"| {shape} | {name} | {splits or 'plan'} | {type(exc).__name__}: {str(exc)[:80]} | |")
                     continue
-                print(f"| {shape} | {name} | {splits or 'plan'} | {seconds * 1e3:.3f} | {read / seconds / 1e9:.0f} |",
+                print(f"| {shape} | {name} | {splits or 'plan'} | {seconds * 1e3:.3f} | {build * 1e3:.3f} | "
+                      f"{read / seconds / 1e9:.0f} |",
                       flush=True)  # fmt: skip
             del inputs, paged, arrays
             mx.clear_cache()

@@ -293,10 +293,10 @@ def decode_budget(prompt_lengths: Sequence[int], prefill_chunk: int, decode_toke
 
 
 def decode_together(generation: BatchGeneration, prompts: Sequence, decode_tokens: int,
-                    on_step: Callable[[], None] | None = None) -> tuple[float, float]:
+                    on_step: Callable[[list[int]], None] | None = None) -> tuple[float, float]:
     """``steady_decode_rate`` of ``prompts`` generated together by ``generation``: each added with
-    ``decode_budget`` tokens and no stop token, then steps (``on_step`` after each) until a sequence
-    has ended after every one started, which closes the window."""
+    ``decode_budget`` tokens and no stop token, then steps (``on_step`` after each, with the sequences
+    that got a token) until a sequence has ended after every one started, which closes the window."""
     budget = decode_budget([len(p) for p in prompts], generation.prefill_chunk, decode_tokens)
     start = time.perf_counter()
     for prompt in prompts:
@@ -306,7 +306,7 @@ def decode_together(generation: BatchGeneration, prompts: Sequence, decode_token
         sequences = [sequence for sequence, _ in generation.step()]
         steps.append((time.perf_counter() - start, sequences))
         if on_step is not None:
-            on_step()
+            on_step(sequences)
         for sequence in sequences:
             produced[sequence] = produced.get(sequence, 0) + 1
         if len(produced) == len(prompts) and max(produced.values()) == budget:
@@ -325,7 +325,7 @@ def generate_batch_once(engine: Engine, prompts: Sequence[Sequence[int]], decode
     mx.reset_peak_memory()
     most = {"live": 0, "positions": 0}
 
-    def note_live() -> None:
+    def note_live(_: list[int]) -> None:
         if caches.nbytes_live > most["live"]:
             most.update(live=caches.nbytes_live, positions=caches.live_positions)
 
