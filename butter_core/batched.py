@@ -457,12 +457,12 @@ class Placement:
         """Whether the chunk attends to the stored slots plus its own rows (read before the write)."""
         kept = (range(start, start + n) if not self.wraps else window.survivors(start, start + n)
                 for start, n in zip(starts, counts))  # fmt: skip
-        self.written = [Written(b, b * tokens + p - start, slot(p), p)
-                        for b, (start, positions) in enumerate(zip(starts, kept)) for p in positions]  # fmt: skip
+        entries = [(b, b * tokens + p - start, slot(p), p)
+                   for b, (start, positions) in enumerate(zip(starts, kept)) for p in positions]  # fmt: skip
+        self.written = Written.of(entries)
         """The rows this step writes, in position order per sequence (``SequenceState.write``)."""
-        self.write_slots = mx.array([physical(step.sequences[w.sequence], w.slot) for w in self.written], dtype=mx.int32)
-        self.write_rows = (mx.array([w.row for w in self.written], dtype=mx.int32) if self.wraps or step.ragged
-                           else None)  # fmt: skip
+        self.write_slots = mx.array([physical(step.sequences[b], s) for b, _, s, _ in entries], dtype=mx.int32)
+        self.write_rows = mx.array(self.written.row, dtype=mx.int32) if self.wraps or step.ragged else None
         """The rows of the step written (None: all), when some are not: a wrapping chunk's or padding."""
         live = [min(start if self.fresh else start + n, cap) for start, n in zip(starts, counts)]
         self.length = max(max(live), 1)

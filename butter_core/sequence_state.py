@@ -10,22 +10,35 @@ attends in batched storage to what it would attend to alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Sequence
 
+import attrs
 import mlx.core as mx
+import numpy as np
 
 
-class Written(NamedTuple):
-    """One new row a step writes: its sequence's index in the step, its index in the step's
-    flattened rows (``b * tokens + t`` of ``keys`` ``[sequences, heads, tokens, head_dim]``), the
-    sequence's slot it goes to (its position, or under a window ``Window.slot_of``) and its position.
-    A step lists them in position order, per sequence; rows a wrapping chunk does not keep are left out."""
+@attrs.frozen(eq=False)
+class Written:
+    """The new rows a step writes, as host columns of equal length (int64 arrays, so that a state
+    of many sequences takes note of them with array operations, not a loop): each row's sequence
+    (its index in the step), its index in the step's flattened rows (``b * tokens + t`` of ``keys``
+    ``[sequences, heads, tokens, head_dim]``), the sequence's slot it goes to (its position, or under
+    a window ``Window.slot_of``) and its position. In position order per sequence; rows a wrapping
+    chunk does not keep are left out."""
 
-    sequence: int
-    row: int
-    slot: int
-    position: int
+    sequence: np.ndarray
+    row: np.ndarray
+    slot: np.ndarray
+    position: np.ndarray
+
+    @classmethod
+    def of(cls, entries: Iterable[tuple[int, int, int, int]]) -> Written:
+        """From ``(sequence, row, slot, position)`` entries."""
+        columns = np.array(list(entries), dtype=np.int64).reshape(-1, 4).T
+        return cls(*columns)
+
+    def __len__(self) -> int:
+        return len(self.row)
 
 
 class SequenceState:
@@ -35,7 +48,7 @@ class SequenceState:
         """Forget what row ``row`` held: a sequence opens in that slot."""
         raise NotImplementedError
 
-    def write(self, rows: Sequence[int], written: Sequence[Written], keys: mx.array, values: mx.array) -> None:
+    def write(self, rows: Sequence[int], written: Written, keys: mx.array, values: mx.array) -> None:
         """Take note of a step's new rows: ``rows[b]`` is the state row of the step's sequence ``b``,
         ``keys``/``values`` ``[sequences, heads, tokens, head_dim]`` as the layer got them."""
         raise NotImplementedError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from butter_core.plugin_api import BufferedSlotCache, ConfigError, LayerSpec, PrefillPipeline, attend, kernel_params
 
@@ -164,7 +165,7 @@ class AuraCache(BufferedSlotCache):
             return
         slots = sorted(self._unencoded)
         self._unencoded = []
-        index = mx.array([self.budget.row_of(slot) for slot in slots], dtype=mx.int32)
+        index = mx.array(self.budget.rows_of(np.array(slots)), dtype=mx.int32)
         rows = self.encode(mx.take(self._fp["fp_keys"], index, axis=2), mx.take(self._fp["fp_values"], index, axis=2))
         first = 0
         for i in range(1, len(slots) + 1):

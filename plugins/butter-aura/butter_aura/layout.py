@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from butter_aura.codec import Codec
 from butter_aura.kind import Aura
@@ -116,13 +117,11 @@ class FullPrecisionBudget:
             return None
         return (slot - self.base) % self.recent if slot < self.tail else self.recent + slot - self.tail
 
-    def row_of(self, slot: int) -> int | None:
-        """The full-precision row of ``slot``: itself for a sink, ``sinks`` + its ring index for a
-        recent slot, None for slots that never have one."""
-        if slot < self.sinks:
-            return slot
-        index = self.ring_index(slot)
-        return None if index is None else self.sinks + index
+    def rows_of(self, slots: np.ndarray) -> np.ndarray:
+        """The full-precision row of each slot (an integer array on the host): itself for a sink,
+        ``sinks`` + its ring index for a recent slot, -1 for slots that never have one."""
+        index, ringed = self._ring_indices(np.where, slots)
+        return np.where(slots < self.sinks, slots, np.where(ringed, self.sinks + index, -1))
 
     def membership(self, recent_slots: mx.array, length: int) -> tuple[mx.array, mx.array]:
         """For slots ``[0, length)``: whether each is read in full precision (bool), and its row (int32,
@@ -130,12 +129,16 @@ class FullPrecisionBudget:
         ring]`` (one ring per sequence, in batched storage) gives membership ``[sequences, length]``."""
         slots = mx.arange(length, dtype=mx.int32)
         sink = slots < self.sinks
-        ringed = (slots >= self.base) & (self.recent > 0)
-        period = max(self.recent, 1)
-        index = mx.where(slots < self.tail, (slots - self.base) % period, self.recent + slots - self.tail)
-        index = mx.where(ringed, index, 0)
+        index, ringed = self._ring_indices(mx.where, slots)
         member = sink | (ringed & (mx.take(recent_slots, index, axis=-1) == slots))
         return member, mx.where(sink, slots, self.sinks + index)
+
+    def _ring_indices(self, where, slots):
+        """``ring_index`` of each of ``slots`` (0 where it has none) and whether it has one, for an
+        array of slots of numpy (``where`` is ``np.where``) or MLX (``mx.where``)."""
+        ringed = (slots >= self.base) & (self.recent > 0)
+        index = where(slots < self.tail, (slots - self.base) % max(self.recent, 1), self.recent + slots - self.tail)
+        return where(ringed, index, 0), ringed
 
     def params(self) -> tuple[int, int, int, int]:
         """``(sinks, recent, base, tail)``: what kernels need to find a slot's ring index."""

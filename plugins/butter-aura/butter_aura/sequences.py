@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from typing import TYPE_CHECKING
 
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
 class FullPrecisionRows(SequenceState):
     """``budget.rows`` full-precision rows per sequence slot, ``[sequences * rows, kv_heads, head_dim]``
     for keys and for values (one flat index per row, so a step writes and reads them with one
-    scatter and one gather), and each slot's ``recent_slots``/``recent_positions`` on the host,
-    as ``AuraCache`` keeps them."""
+    scatter and one gather), and each slot's ``recent_slots``/``recent_positions`` on the host
+    (``[sequences, ring]`` integer arrays), as ``AuraCache`` keeps them."""
 
     def __init__(self, cache: AuraCache, budget: FullPrecisionBudget, sequences: int):
         """For the layer of ``cache`` (its codecs, rotation and full-precision dtype; its kernels where
@@ -41,15 +42,15 @@ class FullPrecisionRows(SequenceState):
         shape = (sequences * budget.rows, kv_heads, head_dim)
         self.keys, self.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
         mx.eval(self.keys, self.values)
-        self.recent = [[-1] * budget.ring for _ in range(sequences)]
-        self.recent_positions = [[-1] * budget.ring for _ in range(sequences)]
+        self.recent = np.full((sequences, budget.ring), -1, dtype=np.int64)
+        self.recent_positions = np.full((sequences, budget.ring), -1, dtype=np.int64)
 
     def arrays(self) -> list[mx.array]:
         return [self.keys, self.values]
 
     def reset(self, row: int) -> None:
-        self.recent[row] = [-1] * self.budget.ring
-        self.recent_positions[row] = [-1] * self.budget.ring
+        self.recent[row] = -1
+        self.recent_positions[row] = -1
 
     def export(self, row: int) -> dict[str, mx.array]:
         rows = slice(row * self.budget.rows, (row + 1) * self.budget.rows)
@@ -61,33 +62,36 @@ class FullPrecisionRows(SequenceState):
         """As ``AuraCache.truncate`` keeps them: a recent row whose slot is past ``slots`` is free."""
         rows = slice(row * self.budget.rows, (row + 1) * self.budget.rows)
         self.keys[rows], self.values[rows] = arrays["keys"], arrays["values"]
-        kept = [s < slots for s in arrays["recent"].tolist()]
-        self.recent[row] = [s if k else -1 for s, k in zip(arrays["recent"].tolist(), kept)]
-        self.recent_positions[row] = [p if k else -1 for p, k in zip(arrays["recent_positions"].tolist(), kept)]
+        recent = np.array(arrays["recent"])
+        kept = recent < slots
+        self.recent[row] = np.where(kept, recent, -1)
+        self.recent_positions[row] = np.where(kept, np.array(arrays["recent_positions"]), -1)
 
-    def write(self, rows: Sequence[int], written: Sequence[Written], keys: mx.array, values: mx.array) -> None:
+    def write(self, rows: Sequence[int], written: Written, keys: mx.array, values: mx.array) -> None:
         """Copy the written sinks, and the rows that are now the newest position of their recent row
-        (of two positions whose slots share a row, the newer keeps it)."""
-        budget, taken = self.budget, {}
-        for w in written:
-            fp_row = budget.row_of(w.slot)
-            if fp_row is None:
-                continue
-            row = rows[w.sequence]
-            if fp_row >= budget.sinks:
-                index = fp_row - budget.sinks
-                if w.position < self.recent_positions[row][index]:
-                    continue
-                self.recent[row][index], self.recent_positions[row][index] = w.slot, w.position
-            taken[row * budget.rows + fp_row] = w.row  # a later write of the same row replaces it
-        if not taken:
+        (of two positions whose slots share a row, the newer keeps it): array operations over the
+        step's rows, so that a step of many sequences costs the host a few operations a layer."""
+        budget = self.budget
+        state_rows = np.asarray(rows, dtype=np.int64)[written.sequence]
+        fp_rows = budget.rows_of(written.slot)
+        ringed = fp_rows >= budget.sinks
+        index = np.where(ringed, fp_rows - budget.sinks, 0)
+        older = ringed & (written.position < self.recent_positions[state_rows, index])
+        taken = np.flatnonzero((fp_rows >= 0) & ~older)
+        targets = state_rows[taken] * budget.rows + fp_rows[taken]
+        _, last = np.unique(targets[::-1], return_index=True)  # a later write of the same row replaces it
+        taken = taken[np.sort(len(taken) - 1 - last)]
+        if not len(taken):
             return
-        targets = mx.array(list(taken), dtype=mx.int32)
-        sources = list(taken.values())
-        every_row = sources == list(range(keys.shape[0] * keys.shape[2]))  # a decode step's: no gather
-        for name, new in (("keys", keys), ("values", values)):
-            flat = new.transpose(0, 2, 1, 3).reshape(-1, new.shape[1], new.shape[3])  # [sequences * tokens, heads, D]
-            flat = flat if every_row else flat[mx.array(sources, dtype=mx.int32)]
+        ring = taken[ringed[taken]]
+        self.recent[state_rows[ring], index[ring]] = written.slot[ring]
+        self.recent_positions[state_rows[ring], index[ring]] = written.position[ring]
+        targets = mx.array(state_rows[taken] * budget.rows + fp_rows[taken], dtype=mx.int32)
+        sources = written.row[taken]
+        every_row = len(sources) == keys.shape[0] * keys.shape[2] and bool((sources == np.arange(len(sources))).all())
+        for name, new in (("keys", keys), ("values", values)):  # as [sequences * tokens, heads, D]
+            flat = new.squeeze(2) if new.shape[2] == 1 else new.swapaxes(1, 2).reshape(-1, new.shape[1], new.shape[3])
+            flat = flat if every_row else flat[mx.array(sources, dtype=mx.int32)]  # a decode step's: no gather
             getattr(self, name)[targets] = flat.astype(self.keys.dtype)
 
     def paged_decode(self, queries, buffers, table, lengths, page_size, scale, rows):
@@ -98,7 +102,7 @@ class FullPrecisionRows(SequenceState):
         paged = PagedStored(
             key_codes=buffers["key_codes"], key_scales=buffers["key_scales"], value_codes=buffers["value_codes"],
             value_scales=buffers["value_scales"], fp_keys=self.keys, fp_values=self.values,
-            recent=[self.recent[r] for r in rows], sequence_rows=mx.array(rows, dtype=mx.int32), table=table,
+            recent=self.recent[np.asarray(rows)], sequence_rows=mx.array(rows, dtype=mx.int32), table=table,
             lengths=lengths, page_size=page_size, budget=self.budget, key_codec=self.cache.key_codec,
             value_codec=self.cache.value_codec, rotation=self.cache.rotation,
         )  # fmt: skip
@@ -109,7 +113,7 @@ class FullPrecisionRows(SequenceState):
         rows beside them (``cpu.gathered_decode_attention``)."""
         budget, length = self.budget, max(lengths)
         gathered = {name: gather_pages(array, table, page_size, length) for name, array in buffers.items()}
-        recent = mx.array([self.recent[r] for r in rows], dtype=mx.int32)
+        recent = mx.array(self.recent[np.asarray(rows)], dtype=mx.int32)
         live = mx.array(lengths, dtype=mx.int32)[:, None]
         member, _ = budget.membership(recent, length)
         coded = ~member & (mx.arange(length, dtype=mx.int32)[None] < live)
@@ -120,7 +124,7 @@ class FullPrecisionRows(SequenceState):
 
     def read(self, rows: Sequence[int], length: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Each sequence's full-precision rows in place of the decoded codes of the slots they hold."""
-        member, fp_row = self.budget.membership(mx.array([self.recent[r] for r in rows], dtype=mx.int32), length)
+        member, fp_row = self.budget.membership(mx.array(self.recent[np.asarray(rows)], dtype=mx.int32), length)
         fp_keys, fp_values = self._full_precision(rows, fp_row)
         member = member[:, None, :, None]
         return (mx.where(member, fp_keys.astype(keys.dtype), keys),

@@ -33,8 +33,8 @@ class PagedStored:
     ``[1, kv_heads, slots, width]`` (sequence ``b``'s slot ``s`` in storage slot ``table[b, s //
     page_size] * page_size + s % page_size``), the full-precision rows of every sequence slot
     ``[sequence slots * budget.rows, kv_heads, head_dim]`` (sequence ``b``'s row ``r`` at
-    ``sequence_rows[b] * budget.rows + r``), each sequence's ring on the host (``recent``, ``[B][ring]``)
-    and its live slots (``lengths``)."""
+    ``sequence_rows[b] * budget.rows + r``), each sequence's ring on the host (``recent``, ``[B, ring]``,
+    -1 for a free row) and its live slots (``lengths``)."""
 
     key_codes: mx.array
     key_scales: mx.array
@@ -42,7 +42,7 @@ class PagedStored:
     value_scales: mx.array
     fp_keys: mx.array
     fp_values: mx.array
-    recent: Sequence[Sequence[int]]
+    recent: np.ndarray = attrs.field(converter=lambda rings: np.asarray(rings, dtype=np.int64))
     sequence_rows: mx.array
     table: mx.array
     lengths: Sequence[int]
@@ -60,17 +60,18 @@ class PagedStored:
         """The longest sequence's live slots: what the splits are planned for."""
         return max(self.lengths)
 
-
     def params(self) -> mx.array:
         """``attention.live_params`` per sequence, ``[B, 7]``: its live slots, the budget's sinks and
-        period, the smallest and largest slot its ring holds, the budget's base and tail."""
+        period, the smallest and largest slot its ring holds (1 and 0 for an empty ring), the
+        budget's base and tail."""
+        held = self.recent >= 0
+        any_held = held.any(axis=1)
+        lo = np.where(any_held, np.where(held, self.recent, np.iinfo(np.int64).max).min(axis=1), 1)
+        hi = np.where(any_held, self.recent.max(axis=1), 0)
         sinks, recent, base, tail = self.budget.params()
-        rows = []
-        for length, ring in zip(self.lengths, self.recent):
-            held = [slot for slot in ring if slot >= 0]
-            lo, hi = (min(held), max(held)) if held else (1, 0)
-            rows += [length, sinks, recent, lo, hi, base, tail]
-        return kernel_params(rows, mx.int32).reshape(len(self.lengths), 7)
+        rows = np.empty((len(self.lengths), 7), dtype=np.int64)
+        rows[:, 0], rows[:, 1:3], rows[:, 3], rows[:, 4], rows[:, 5:] = self.lengths, (sinks, recent), lo, hi, (base, tail)
+        return kernel_params(rows.ravel().tolist(), mx.int32).reshape(len(self.lengths), 7)
 
 
 def paged_decode_attention(queries: mx.array, paged: PagedStored, scale: float, *, method: str | None = None,
