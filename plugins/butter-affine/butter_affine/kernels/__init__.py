@@ -233,6 +233,8 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
         cases=(
             *(case | {"dtype": mx.float16} if case.get("dtype", mx.bfloat16) == mx.float32 else case for case in _PAGED_CASES),
             {"lengths": (2000, 1), "batch": 2, "page_size": 16, "q_heads": 8, "kv_heads": 2, "splits": 2},
+            # pages of 64 and splits that start inside one: steps in one page read as one run, others not
+            {"lengths": (520, 130), "batch": 2, "page_size": 64, "q_heads": 8, "kv_heads": 2, "splits": 3},
             {"lengths": (90, 300, 47), "batch": 3, "page_size": 16, "bits": 8, "group_size": 32, "head_dim": 256,
              "q_heads": 4, "kv_heads": 2},
         ),

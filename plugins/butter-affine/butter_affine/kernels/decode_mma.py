@@ -115,6 +115,19 @@ BT_FUNC int64_t affine_mma_row(Table table, int64_t pages, int at) {
   return static_cast<int64_t>(table[pages + at / PAGE]) * PAGE + at % PAGE;
 }
 
+// Whether keys [at, at + KEYS) lie in consecutive rows: always in a cache's own buffers, in
+// paged storage where they lie in one page (every step of a split that starts on a page
+// boundary, for pages a multiple of KEYS long). Such a step is read as a cache's own rows
+// from its first key's row: one look-up in the page table a step, not one a key.
+template <int PAGE, int KEYS>
+BT_FUNC bool affine_mma_one_run(int at) {
+  if constexpr (PAGE == 0) {
+    return true;
+  } else {
+    return at % PAGE + KEYS <= PAGE;
+  }
+}
+
 // A warp step's loads, lane (g, q). Keys: for key block b, keys 16 b + g + 8 r (r < 2)
 // for the scores, KW words from word q KW of the row, KG groups. Values: keys 16 b + 2q +
 // (v % 2) + 8 (v / 2) (v < 4), VW words from word g VW, one group. CLAMP: rows past last
@@ -202,19 +215,23 @@ _PARTIALS_BODY = r"""
     o[i] = 0.0f;
   }
 
-  // The loads of one step (rows clamped only where the step runs past the split's end).
+  // The loads of one step: as consecutive rows from the first key's where the step lies in one
+  // run of them (affine_mma_one_run), else row by row, clamped where the step runs past the
+  // split's end.
 #define AFFINE_MMA_FETCH_KEYS(at)                                                              \
-  if ((at) + KEYS <= end) {                                                                    \
-    affine_mma_fetch_keys<false, READ_ONLY, $PAGE, KB, KW, KG, ROW_WORDS, GROUPS, S>(                            \
-        key_codes + k_words, key_scales + k_groups, key_biases + k_groups, $TABLE, at, last, g, kw, ks, kb); \
+  if ((at) + KEYS <= end && affine_mma_one_run<$PAGE, KEYS>(at)) {                             \
+    affine_mma_fetch_keys<false, READ_ONLY, 0, KB, KW, KG, ROW_WORDS, GROUPS, S>(key_codes + k_words, \
+        key_scales + k_groups, key_biases + k_groups, $TABLE, static_cast<int>(affine_mma_row<$PAGE>($TABLE, at)), \
+        last, g, kw, ks, kb);                                                                  \
   } else {                                                                                     \
     affine_mma_fetch_keys<true, READ_ONLY, $PAGE, KB, KW, KG, ROW_WORDS, GROUPS, S>(                             \
         key_codes + k_words, key_scales + k_groups, key_biases + k_groups, $TABLE, at, last, g, kw, ks, kb); \
   }
 #define AFFINE_MMA_FETCH_VALUES(at)                                                            \
-  if ((at) + KEYS <= end) {                                                                    \
-    affine_mma_fetch_values<false, READ_ONLY, $PAGE, KB, VW, ROW_WORDS, GROUPS, S>(                              \
-        value_codes + v_words, value_scales + v_groups, value_biases + v_groups, $TABLE, at, last, q, vw, vs, vb); \
+  if ((at) + KEYS <= end && affine_mma_one_run<$PAGE, KEYS>(at)) {                             \
+    affine_mma_fetch_values<false, READ_ONLY, 0, KB, VW, ROW_WORDS, GROUPS, S>(value_codes + v_words, \
+        value_scales + v_groups, value_biases + v_groups, $TABLE, static_cast<int>(affine_mma_row<$PAGE>($TABLE, at)), \
+        last, q, vw, vs, vb);                                                                  \
   } else {                                                                                     \
     affine_mma_fetch_values<true, READ_ONLY, $PAGE, KB, VW, ROW_WORDS, GROUPS, S>(                               \
         value_codes + v_words, value_scales + v_groups, value_biases + v_groups, $TABLE, at, last, q, vw, vs, vb); \

@@ -240,11 +240,15 @@ _BODY = """
   // batched storage). A step wholly inside [start, end) of one cache's arrays reads from one
   // address per array plus constant offsets; otherwise (the last step of a split, or pages)
   // each key is looked up, clamped to the last one.
+  // In pages, a step whose keys lie in one page ($ONE_RUN: every step of a split that starts
+  // on a page boundary, for pages a multiple of KEYS long) is read as one cache's: from its
+  // first key's slot (one look-up in the table a step, the same address for every lane), the
+  // keys' own offsets after it.
   auto slot_of = [&](int at) -> int64_t { return $SLOT; };
   auto load_keys = [&](int at) {
-    if (!$PAGED && at + KEYS <= block.end) {
-      const uint32_t key = static_cast<uint32_t>(at + g);
-      const unsigned char* codes = k_base + key * static_cast<uint32_t>(KWB);
+    if (at + KEYS <= block.end && $ONE_RUN) {
+      const int64_t key = $PAGED ? slot_of(at) + g : static_cast<int64_t>(static_cast<uint32_t>(at + g));
+      const unsigned char* codes = $PAGED ? k_base + key * KWB : k_base + static_cast<uint32_t>(key) * static_cast<uint32_t>(KWB);
       const BT_GLOBAL __half* kscales = ks_base + key;
       const BT_GLOBAL __half* vscales = vs_base + key;
 #pragma unroll
@@ -270,8 +274,9 @@ _BODY = """
     }
   };
   auto load_values = [&](int at, uint32_t (&dst)[BLOCKS][4][VLW]) {
-    if (!$PAGED && at + KEYS <= block.end) {
-      const unsigned char* codes = v_base + static_cast<uint32_t>(at + 2 * t) * static_cast<uint32_t>(VWB);
+    if (at + KEYS <= block.end && $ONE_RUN) {
+      const unsigned char* codes = $PAGED ? v_base + (slot_of(at) + 2 * t) * VWB
+                                          : v_base + static_cast<uint32_t>(at + 2 * t) * static_cast<uint32_t>(VWB);
 #pragma unroll
       for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
@@ -291,21 +296,24 @@ _BODY = """
     }
   };
   // PREFETCH > 1: the step PREFETCH steps ahead is fetched into L2 (its lines spread over
-  // the lanes; none past the split's end), so the loads a step ahead find it there. Not in
-  // pages, whose keys do not lie in consecutive lines.
+  // the lanes; none past the split's end), so the loads a step ahead find it there. In
+  // pages, where its keys lie in one page.
   auto prefetch = [&](int at) {
     constexpr int KEY_LINES = KEYS * KWB / 128;
     constexpr int VALUE_LINES = KEYS * VWB / 128;
-    if (PREFETCH > 1 && !$PAGED && at < block.end) {
+    if (PREFETCH > 1 && at < block.end && $ONE_RUN) {
       const int keys = min(KEYS, block.end - at);
+      const int64_t first = $PAGED ? slot_of(at) : at;
+      const unsigned char* k_at = $PAGED ? k_rows + first * KWB : k_rows + static_cast<uint32_t>(at) * KWB;
+      const unsigned char* v_at = $PAGED ? v_rows + first * VWB : v_rows + static_cast<uint32_t>(at) * VWB;
 #pragma unroll
       for (int i = static_cast<int>(lane_id); i < KEY_LINES + VALUE_LINES + 2; i += BT_WARP_SIZE) {
         if (i < KEY_LINES) {
-          if (i * 128 < keys * KWB) bt_prefetch_l2(k_rows + static_cast<uint32_t>(at) * KWB + i * 128);
+          if (i * 128 < keys * KWB) bt_prefetch_l2(k_at + i * 128);
         } else if (i < KEY_LINES + VALUE_LINES) {
-          if ((i - KEY_LINES) * 128 < keys * VWB) bt_prefetch_l2(v_rows + static_cast<uint32_t>(at) * VWB + (i - KEY_LINES) * 128);
+          if ((i - KEY_LINES) * 128 < keys * VWB) bt_prefetch_l2(v_at + (i - KEY_LINES) * 128);
         } else {
-          bt_prefetch_l2((i == KEY_LINES + VALUE_LINES ? ks_base : vs_base) + at);
+          bt_prefetch_l2((i == KEY_LINES + VALUE_LINES ? ks_base : vs_base) + first);
         }
       }
     }

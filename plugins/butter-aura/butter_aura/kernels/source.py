@@ -155,20 +155,22 @@ BT_FUNC float aura_group_sum(float v, int group, BT_SHARED_PTR float* scratch, i
 
 DENSE = {
     "$PAGED": "false", "$PARAMS_AT": "0", "$RECENT_AT": "0", "$RING": "recent_slots_shape[0]", "$KV_ROWS": "block.batch_kv_head",
-    "$SLOT": "at", "$FP_BASE": "(static_cast<int64_t>(sequence) * kv_heads + kv_head) * ROWS * D", "$FP_STRIDE": "D",
+    "$SLOT": "at", "$ONE_RUN": "true", "$FP_BASE": "(static_cast<int64_t>(sequence) * kv_heads + kv_head) * ROWS * D",
+    "$FP_STRIDE": "D",
 }
 """One cache's arrays: ``params`` and ``recent_slots`` shared by its batch, fp rows ``[batch, heads, ROWS, D]``;
-key ``at`` in slot ``at`` (``$PAGED`` false)."""
+key ``at`` in slot ``at`` (``$PAGED`` false), so any keys ``[at, at + KEYS)`` in consecutive slots (``$ONE_RUN``)."""
 
 PAGED = {
     "$PAGED": "true", "$PARAMS_AT": "static_cast<int64_t>(sequence) * 7", "$RECENT_AT": "static_cast<int64_t>(sequence) * recent_slots_shape[1]",
     "$RING": "recent_slots_shape[1]", "$KV_ROWS": "block.kv_head",
-    "$SLOT": split_k.PAGED_SLOT,
+    "$SLOT": split_k.PAGED_SLOT, "$ONE_RUN": "(at % PAGE + KEYS <= PAGE)",
     "$FP_BASE": "(static_cast<int64_t>(sequence_rows[sequence]) * ROWS * kv_heads + kv_head) * D",
     "$FP_STRIDE": "kv_heads * D",
 }
 """Batched storage (``paged``): per sequence ``params`` ``[B, 7]`` and ``recent_slots`` ``[B, ring]``,
-codes in pages read through ``table``, fp rows ``[sequences * ROWS, heads, D]`` at ``sequence_rows``."""
+codes in pages read through ``table``, fp rows ``[sequences * ROWS, heads, D]`` at ``sequence_rows``; keys
+``[at, at + KEYS)`` in consecutive slots where they lie in one page."""
 
 PAGED_PREAMBLE = split_k.paged_preamble("key_codes")
 """What a paged partials kernel opens with: the sequence its threadgroup serves and its row of the
