@@ -219,29 +219,6 @@ def test_tensor_core_launch_follows_the_device(monkeypatch, gpu):
         assert resident - 8 < threadgroups <= resident
 
 
-@pytest.mark.parametrize(("batch", "threads", "splits"), [(4, 32 * attention_mma.WARPS, 4), (24, 128, 3)])
-def test_tensor_core_launch_splits_many_sequences_per_context(monkeypatch, batch, threads, splits):
-    """Where a call's sequences alone fill a wave of twelve-warp threadgroups (24 x 8 KV heads on
-    an H200's 132 multiprocessors), the partials run in four-warp threadgroups with a split per
-    ``MANY_KEYS_PER_SPLIT`` keys (2500 keys: 3 splits); fewer sequences keep twelve warps and the
-    one-wave plan (4 x 8 threadgroups a split: 4 splits)."""
-    monkeypatch.setattr(attention_mma, "gpu_shape", lambda: GPUS["H200"])
-    monkeypatch.setattr(backend, "cuda_compute_capability", lambda: (9, 0))
-    inputs = checks.make_stored(0, q_heads=32, kv_heads=8, head_dim=128, allocated=2500, length=2500, batch=batch,
-                                dtype=mx.bfloat16, encoded=False)  # fmt: skip
-    grids = []
-
-    def record(launch):
-        grids.append((launch.grid, launch.threadgroup))
-        return [mx.zeros(s, d) for s, d in zip(launch.output_shapes, launch.build.output_dtypes)]
-
-    with executed_by("cuda", record):
-        attention.decode_attention(**inputs, method="mma")
-    grid, threadgroup = grids[0]
-    assert threadgroup[0] == threads
-    assert grid[1] == splits
-
-
 @pytest.mark.skipif(gpu_backend() != "cuda", reason="the traced decode runs on CUDA only")
 @pytest.mark.parametrize(("key_bits", "value_bits", "dtype"),
                          [(4, 2, mx.bfloat16), (8, 8, mx.float16), (4, 4, mx.float32)])

@@ -133,18 +133,6 @@ short splits give (2048 keys per split, the default until 2026-12-01, left a cha
 call far slower than raw SDPA). At 32k and longer the value matters little; at 128k the
 one-wave cap decides the split count (measurements: docs/benchmarks.md,
 "plugins/butter-aura/butter_aura/kernels/attention_mma.py")."""
-MANY_WARPS = 4
-"""Warps per threadgroup where a call's (sequence, KV head) pairs alone fill a wave of
-twelve-warp threadgroups (``fills_a_wave``: batched decode of many sequences), each over
-``MANY_KEYS_PER_SPLIT`` keys or more: three four-warp threadgroups a multiprocessor overlap
-one another's table building and last steps, which one twelve-warp threadgroup leaves
-exposed once per sequence. At 64 sequences of 4096 keys on an H100 the partials took 0.25 ms
-this way against 0.38 ms in twelve-warp threadgroups of one split each (the one-wave plan
-below gives such a batch a single split); at 1024 keys the plans tie (measurements:
-docs/benchmarks.md, "plugins/butter-aura/butter_aura/kernels/attention_mma.py")."""
-MANY_KEYS_PER_SPLIT = 1024
-"""Keys per split at least where ``MANY_WARPS`` serve: the split count grows with the
-context instead of being capped at one wave."""
 REGISTERS = 168
 """Registers per thread the launch is planned with: nvcc reports 128-168 for these builds."""
 RESERVED_SHARED = 1024
@@ -190,13 +178,6 @@ def default_ahead(key_bits: int, value_bits: int, dims: int) -> bool:
     head_dim 128, where the second buffer takes the build from 168 registers to 255 (nvcc
     13.0, sm_90a; every other configuration keeps its count: 127-168)."""
     return not (key_bits == 8 and value_bits == 4 and dims == 128)
-
-
-def fills_a_wave(blocks_per_split: int, heads: int, dims: int, shape: GpuShape) -> bool:
-    """Whether ``blocks_per_split`` threadgroups (a call's sequences x KV heads) fill at least a
-    wave of ``WARPS``-warp threadgroups on ``shape`` without splitting the keys."""
-    shared = shared_bytes(WARPS, heads, dims, aligned_tables(WARPS, heads, dims, shape))
-    return blocks_per_split >= shape.multiprocessors * blocks_per_sm(shared, WARPS, shape)
 
 
 def num_splits(length: int, blocks_per_split: int, resident: int, min_keys: int) -> int:
@@ -700,7 +681,7 @@ def partials(
     params: mx.array,
     scale: mx.array,
     *,
-    warps: int | None = None,
+    warps: int = WARPS,
     blocks: int | None = None,
     min_keys: int = MIN_KEYS_PER_SPLIT,
     read_only: bool | None = None,
@@ -713,9 +694,7 @@ def partials(
     page_size: int = 0,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The split-K partials (``partial_acc``, ``partial_max``, ``partial_sum``) of the coded
-    slots in threadgroups of ``warps`` warps (default: ``MANY_WARPS`` where the sequences fill
-    a wave, ``fills_a_wave``, with a split per ``MANY_KEYS_PER_SPLIT`` keys; else ``WARPS``);
-    ``splits`` forces the split count (tests), else ``num_splits`` for at most
+    slots; ``splits`` forces the split count (tests), else ``num_splits`` for at most
     ``per_sm`` threadgroups per multiprocessor (default: as many as fit); ``aligned``
     forces the tables' layout (default: ``aligned_tables``). With ``table``, ``stored`` is
     batched storage (``paged.PagedStored``, ``params`` one row per sequence) read in pages of
@@ -725,14 +704,10 @@ def partials(
     kc, vc = stored.key_codec, stored.value_codec
     heads = split_k.heads_per_block(q_heads // kv_heads, MAX_HEADS_PER_BLOCK)
     shape = gpu_shape()
-    blocks_per_split = batch * q_heads // heads
-    many = warps is None and fills_a_wave(blocks_per_split, heads, dims, shape)
-    warps = MANY_WARPS if many else warps or WARPS
     if aligned is None:
         aligned = aligned_tables(warps, heads, dims, shape)
     shared = shared_bytes(warps, heads, dims, aligned)
-    if splits is None and many:
-        splits = max(1, min(-(-stored.length // MANY_KEYS_PER_SPLIT), split_k.MAX_MERGE_SPLITS))
+    blocks_per_split = batch * q_heads // heads
     if splits is None:
         resident = blocks_per_sm(shared, warps, shape)
         if per_sm is not None:
