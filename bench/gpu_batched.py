@@ -18,7 +18,10 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
   ``GenerationBatch`` does; decode tok/s = B * (steps - 1) / time between first and last.
 
 "median step" is the median time between the steps in which every sequence got a token
-(mlx-lm: between steps), a check on the aggregate rate's window against stalls. Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
+(mlx-lm: between steps), a check on the aggregate rate's window against stalls.
+``--split-steps N`` times N more butter steps one at a time after the window (``split_steps``):
+the host's part of a step and the device's remainder, which tell a host-bound step from a
+device-bound one. Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
 before), and split into the KV storage allocated at the end of the run (butter's pages and
 per-sequence rows; mlx-lm's batch caches) and the rest (activations, prefill transients).
 ``--page-size`` runs each butter scheme at each page size (``scheme@pN``; default
@@ -31,7 +34,7 @@ Usage:
 
     python3 bench/gpu_batched.py [--batch 1 8 32 64] [--context 4096] [--decode-tokens 64]
         [--kv-cache raw,affine4,aura4v2] [--page-size 16 64 256] [--prefill-tokens 16384] [--capacity-factor 1]
-        [--once] [--no-mlx-lm] [--small]
+        [--once] [--no-mlx-lm] [--split-steps N] [--small]
 """
 
 from __future__ import annotations
@@ -83,23 +86,43 @@ def read_bandwidth(gib: float) -> float:
     return x.nbytes / min(times)
 
 
-def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int, prefill: int, spare: int) -> dict:
+def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int, prefill: int, spare: int,
+               split: int) -> dict:
     engine = Engine(network, LoadOptions(kv_cache=kind))
     batch, context = prompts.shape
     chunk = min(PREFILL_SEQUENCES * context, prefill)
-    pages = -(-(context + decode_budget([context] * batch, chunk, decode)) // page_size)
+    pages = -(-(context + decode_budget([context] * batch, chunk, decode) + split) // page_size)
     caches = engine.make_batched_caches(capacity_tokens=spare * batch * pages * page_size, page_size=page_size,
                                         max_sequences=batch)  # fmt: skip
     generation = BatchGeneration(engine, caches, prefill_chunk=chunk)
     mx.synchronize()
     mx.reset_peak_memory()
     ends = []
-    first, rate = decode_together(generation, list(prompts), decode,
+    first, rate = decode_together(generation, list(prompts), decode, extra=split,
                                   on_step=lambda got: ends.append((time.perf_counter(), len(got))))  # fmt: skip
     steps = [b - a for (a, _), (b, n) in itertools.pairwise(ends) if n == batch]
     return {"first_s": first, "tok_s": rate, "step_ms": statistics.median(steps) * 1e3 if steps else math.nan,
+            **split_steps(generation, split),
             "peak_gib": mx.get_peak_memory() / 2**30,
             "kv_gib": caches.nbytes_allocated / 2**30, "bytes_per_position": caches.bytes_per_position}  # fmt: skip
+
+
+def split_steps(generation: BatchGeneration, steps: int) -> dict:
+    """``steps`` decode steps of every sequence, each alone: the device idle before it, the time
+    ``generation.step()`` takes (building the step's graph and encoding its kernels: the host's
+    part) and the time until the device has run it (the rest); medians in ms. Empty for 0 steps."""
+    if not steps:
+        return {}
+    host, rest = [], []
+    for _ in range(steps):
+        mx.synchronize()
+        start = time.perf_counter()
+        generation.step()
+        built = time.perf_counter()
+        mx.synchronize()
+        host.append(built - start)
+        rest.append(time.perf_counter() - built)
+    return {"split_host_ms": statistics.median(host) * 1e3, "split_rest_ms": statistics.median(rest) * 1e3}
 
 
 def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
@@ -156,6 +179,9 @@ def main() -> None:
                         help="one run per engine, not a compiling run first (long contexts: the prefill kernels "
                              "compile before the decode window opens)")  # fmt: skip
     parser.add_argument("--no-mlx-lm", action="store_true", help="butter's schemes only")
+    parser.add_argument("--split-steps", type=int, default=0,
+                        help="after the window, time this many butter steps one at a time: the host's part "
+                             "(building and encoding) and the rest (the device finishing)")  # fmt: skip
     parser.add_argument("--small", action="store_true", help="a small model: a CPU check of the script")
     args = parser.parse_args()
     config = SMALL_MODEL if args.small else QWEN3_1_7B
@@ -179,7 +205,7 @@ def main() -> None:
         for kind, page in itertools.product(kinds, args.page_size):
             label = str(kind) if args.page_size == [PAGE_SIZE] else f"{kind}@p{page}"
             measure = functools.partial(run_butter, network, kind, prompts, args.decode_tokens, page,
-                                        args.prefill_tokens, args.capacity_factor)  # fmt: skip
+                                        args.prefill_tokens, args.capacity_factor, args.split_steps)  # fmt: skip
             engines.append((label, measure))
         for name, run in engines:
             try:
@@ -200,6 +226,9 @@ def main() -> None:
             print(f"B={batch:<3} {name:<13} {r['tok_s']:9.1f} tok/s  median step {r['step_ms']:6.2f} ms  all first tokens {r['first_s']:6.2f} s  "
                   f"peak {r['peak_gib']:6.2f} GiB (KV {r['kv_gib']:.2f}, the rest {r['peak_gib'] - r['kv_gib']:.2f})  "
                   f"floor {floor:8.0f} tok/s ({r['tok_s'] / floor:.2f} of it)  {ratio}", flush=True)  # fmt: skip
+            if "split_host_ms" in r:
+                print(f"      {name}: a step alone: host {r['split_host_ms']:.2f} ms, then the device "
+                      f"{r['split_rest_ms']:.2f} ms", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

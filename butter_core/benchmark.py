@@ -293,11 +293,14 @@ def decode_budget(prompt_lengths: Sequence[int], prefill_chunk: int, decode_toke
 
 
 def decode_together(generation: BatchGeneration, prompts: Sequence, decode_tokens: int,
-                    on_step: Callable[[list[int]], None] | None = None) -> tuple[float, float]:
+                    on_step: Callable[[list[int]], None] | None = None, extra: int = 0) -> tuple[float, float]:
     """``steady_decode_rate`` of ``prompts`` generated together by ``generation``: each added with
     ``decode_budget`` tokens and no stop token, then steps (``on_step`` after each, with the sequences
-    that got a token) until a sequence has ended after every one started, which closes the window."""
-    budget = decode_budget([len(p) for p in prompts], generation.prefill_chunk, decode_tokens)
+    that got a token) until a sequence has ended after every one started, which closes the window.
+    With ``extra``, each has ``extra`` tokens more and the window closes that many tokens before
+    the first one's end, so ``extra`` more steps of ``generation`` give every sequence a token (a
+    caller may time them apart)."""
+    budget = decode_budget([len(p) for p in prompts], generation.prefill_chunk, decode_tokens) + extra
     start = time.perf_counter()
     for prompt in prompts:
         generation.add(prompt, max_tokens=budget, stop_ids=())
@@ -309,7 +312,7 @@ def decode_together(generation: BatchGeneration, prompts: Sequence, decode_token
             on_step(sequences)
         for sequence in sequences:
             produced[sequence] = produced.get(sequence, 0) + 1
-        if len(produced) == len(prompts) and max(produced.values()) == budget:
+        if len(produced) == len(prompts) and max(produced.values()) == budget - extra:
             break
     return steady_decode_rate(steps)
 

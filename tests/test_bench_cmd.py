@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from butter_core.benchmark import BENCH_KEYS, METADATA_KEYS, decode_budget, steady_decode_rate
+from butter_core.benchmark import BENCH_KEYS, METADATA_KEYS, decode_budget, decode_together, steady_decode_rate
 from butter_core.cli import main
+from butter_core.model import Model
 from butter_core.cache import ATTENTION
 from butter_core.plugins import get_plugin_host
 from butter_core.testing.tiny_models import TinySpec
@@ -173,3 +174,18 @@ def test_the_decode_budget_outlasts_every_prefill_step():
     """A sequence decodes a token per step while the others prefill: one step per chunk of each prompt."""
     assert decode_budget([40, 40, 40], 512, 4) == 4 + 3
     assert decode_budget([32768] * 16, 4096, 32) == 32 + 16 * 8
+
+
+def test_extra_tokens_leave_every_sequence_decoding_after_the_window(model_path):
+    """``decode_together(..., extra=2)``: the window closes two tokens before the first sequence's
+    end, so the next two steps give every sequence a token (what ``gpu_batched.py --split-steps``
+    times one at a time), and the first sequence ends with the second."""
+    model = Model.load(model_path)
+    caches = model.engine.make_batched_caches(capacity_tokens=512, page_size=8)
+    generation = model.generate_batch(caches, prefill_chunk=16)
+    prompts = [model.encode_prompt(text) for text in ("one two three", "a much longer prompt than the first one")]
+    first, rate = decode_together(generation, prompts, 3, extra=2)
+    assert rate > 0 and first > 0
+    for _ in range(2):
+        assert sorted(sequence for sequence, _ in generation.step()) == [0, 1]
+    assert generation.active == 1
