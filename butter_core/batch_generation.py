@@ -51,6 +51,36 @@ from butter_core.prefix_cache import PrefixCache, shared_prefix
 from butter_core.sampling import GREEDY, Sampler
 
 
+@attrs.frozen
+class Token:
+    """A sampled token on the device: ``array`` itself (a scalar), or its row ``row`` (a decode
+    step's greedy tokens are one array, a row per sequence)."""
+
+    array: mx.array
+    row: int | None = None
+
+
+def sample_rows(logits: mx.array, samplers: list[Sampler]) -> list[Token]:
+    """The next token of each row of ``logits`` ``[rows, vocab]`` by its sampler: where every one is
+    greedy, one argmax over all the rows (one operation a step, not one per sequence), else each
+    row's own sampler (seeded samplers draw as they would alone)."""
+    if all(sampler.greedy for sampler in samplers):
+        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        return [Token(tokens, row) for row in range(len(samplers))]
+    return [Token(sampler(logits[row])) for row, sampler in enumerate(samplers)]
+
+
+def gathered(tokens: list[Token]) -> mx.array:
+    """The tokens as one vector: the array they are the rows of, where they are all its rows in
+    order (a greedy decode step's, fed back whole and read back whole); else stacked (on a GPU,
+    MLX stacks with a copy per token)."""
+    whole = tokens[0].array
+    if whole.ndim == 1 and whole.shape[0] == len(tokens) and all(
+            t.array is whole and t.row == i for i, t in enumerate(tokens)):  # fmt: skip
+        return whole
+    return mx.stack([t.array if t.row is None else t.array[t.row] for t in tokens])
+
+
 @attrs.define
 class _Request:
     prompt: mx.array
@@ -68,7 +98,7 @@ class _Request:
     """Tokens read (yielded, or the stop id that ended it)."""
     liability: int = 0
     """Pages its prompt plus ``max_tokens`` need, promised at admission."""
-    pending: mx.array | None = None
+    pending: Token | None = None
     """The last token sampled, on the device, to be fed at the next decode step (None: none to
     feed; the last of ``max_tokens`` is never fed)."""
 
@@ -165,14 +195,14 @@ class BatchGeneration:
         previous step sampled (the ones returned), so that this step's graph is built and queued on
         the device before the host waits for the previous one."""
         self._admit()
-        sampled: list[tuple[int, mx.array]] = []
+        sampled: list[tuple[int, Token]] = []
         decoding = [i for i, r in self._running.items() if r.pending is not None]
         if decoding:
             requests = [self._running[i] for i in decoding]
             self._grow(requests, [1] * len(requests))
-            ids = mx.stack([r.pending for r in requests])[:, None]
+            ids = gathered([r.pending for r in requests])[:, None]
             logits = self.engine.run_batched(ids, self.caches, [r.handle for r in requests])
-            sampled += [(i, r.sampler(logits[row])) for row, (i, r) in enumerate(zip(decoding, requests))]
+            sampled += zip(decoding, sample_rows(logits, [r.sampler for r in requests]))
         group = self._prefill_group()
         if group:
             requests = [self._running[i] for i in group]
@@ -184,7 +214,7 @@ class BatchGeneration:
             for row, (sequence_id, request, count) in enumerate(zip(group, requests, counts)):
                 request.fed += count
                 if request.fed == request.prompt.size:
-                    sampled.append((sequence_id, request.sampler(logits[row])))
+                    sampled.append((sequence_id, Token(request.sampler(logits[row]))))
                     self._keep_prompt(request)
             if len(sampled) == len(decoding):
                 mx.async_eval(logits)
@@ -192,7 +222,7 @@ class BatchGeneration:
             request = self._running[sequence_id]
             request.sampled += 1
             request.pending = token if request.sampled < request.max_tokens else None
-        queued = mx.stack([token for _, token in sampled]) if sampled else None
+        queued = gathered([token for _, token in sampled]) if sampled else None
         if queued is not None:
             mx.async_eval(queued)
         previous, self._in_flight = self._in_flight, ([i for i, _ in sampled], queued)

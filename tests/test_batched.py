@@ -11,11 +11,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from butter_core import ConfigError, LoadOptions, Window
+from butter_core.batch_generation import Token, gathered, sample_rows
 from butter_core.batched import OutOfPagesError, StaleSequenceError
 from butter_core.cache import ATTENTION
 from butter_core.engine import ContextLengthError
 from butter_core.model import Model
 from butter_core.plugins import get_plugin_host
+from butter_core.sampling import Sampler
 from butter_core.testing.fixtures import example_kind, example_model
 from butter_core.testing.tiny_models import TinySpec, write_tiny_model
 
@@ -86,6 +88,37 @@ def test_continuous_batching_gives_each_sequence_its_own_tokens(model_dir, schem
     assert [got[i] for i in ids] == expected
     assert batch.finish_reasons == dict.fromkeys(ids, "length")
     assert caches.free_pages == caches.num_pages and caches.nbytes_live == 0
+
+
+def test_greedy_and_seeded_sequences_sample_as_they_would_alone(model_dir):
+    """A step's greedy sequences take their tokens from one argmax over its rows, fed back as one
+    array while they alone decode; a seeded sampler beside them draws what it draws alone (its rows
+    then sampled one by one), and greedy ones joining and leaving keep their own tokens."""
+    model = Model.load(str(model_dir))
+    prompts = [model.encode_prompt(text) for text in PROMPTS[:3]]
+    seeded = functools.partial(Sampler, temperature=1.0, top_p=0.9, seed=3)
+    alone = [_single(model, prompts[0], 9), _single(model, prompts[1], 4),
+             list(model.generate(prompts[2], sampler=seeded(), max_tokens=6, stop_ids=()))]  # fmt: skip
+    caches = model.engine.make_batched_caches(capacity_tokens=256, page_size=8)
+    batch = model.generate_batch(caches, prefill_chunk=64)
+    ids = [batch.add(prompts[0], max_tokens=9, stop_ids=()), batch.add(prompts[1], max_tokens=4, stop_ids=())]
+    got: dict[int, list[int]] = {}
+    for sequence_id, token in batch:
+        got.setdefault(sequence_id, []).append(token)
+        if len(ids) == 2 and len(got[ids[0]]) == 3:
+            ids.append(batch.add(prompts[2], max_tokens=6, sampler=seeded(), stop_ids=()))
+    assert [got[i] for i in ids] == alone
+
+
+def test_a_greedy_step_feeds_its_tokens_back_as_one_array():
+    """``gathered``: the rows of one array, all of them in order, are that array (no stack); anything
+    else is stacked, scalars and rows alike."""
+    tokens = mx.array([5, 6, 7], dtype=mx.uint32)
+    rows = [Token(tokens, i) for i in range(3)]
+    assert gathered(rows) is tokens
+    assert gathered(rows[1:]).tolist() == [6, 7]
+    assert gathered([rows[1], Token(mx.array(9, dtype=mx.uint32))]).tolist() == [6, 9]
+    assert gathered(sample_rows(mx.array([[0.0, 2.0], [3.0, 1.0]]), [Sampler(), Sampler()])).tolist() == [1, 0]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
