@@ -237,13 +237,12 @@ _BODY = """
   __half ks[BLOCKS][2];
   __half vs[BLOCKS][2];
   // The storage slot of key `at` (itself in one cache's arrays; through the page table in
-  // batched storage). A step wholly inside [start, end) of one cache's arrays reads from one
-  // address per array plus constant offsets; otherwise (the last step of a split, or pages)
-  // each key is looked up, clamped to the last one.
-  // In pages, a step whose keys lie in one page ($ONE_RUN: every step of a split that starts
-  // on a page boundary, for pages a multiple of KEYS long) is read as one cache's: from its
-  // first key's slot (one look-up in the table a step, the same address for every lane), the
-  // keys' own offsets after it.
+  // batched storage). A step wholly inside [start, end) whose keys lie in consecutive slots
+  // ($ONE_RUN: always in one cache's arrays; in pages, where they lie in one page, as every
+  // step of a split that starts on a page boundary does for pages a multiple of KEYS long)
+  // reads from its first key's slot (in pages one look-up in the table a step, the same
+  // address for every lane) plus constant offsets; otherwise (the last step of a split, a
+  // step across pages) each key is looked up, clamped to the last one.
   auto slot_of = [&](int at) -> int64_t { return $SLOT; };
   auto load_keys = [&](int at) {
     if (at + KEYS <= block.end && $ONE_RUN) {
