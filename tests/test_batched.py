@@ -90,11 +90,12 @@ def test_continuous_batching_gives_each_sequence_its_own_tokens(model_dir, schem
     assert caches.free_pages == caches.num_pages and caches.nbytes_live == 0
 
 
+@pytest.mark.usefixtures("raw_scheme")
 def test_greedy_and_seeded_sequences_sample_as_they_would_alone(model_dir):
     """A step's greedy sequences take their tokens from one argmax over its rows, fed back as one
     array while they alone decode; a seeded sampler beside them draws what it draws alone (its rows
     then sampled one by one), and greedy ones joining and leaving keep their own tokens."""
-    model = Model.load(str(model_dir))
+    model = example_model(str(model_dir), "raw")
     prompts = [model.encode_prompt(text) for text in PROMPTS[:3]]
     seeded = functools.partial(Sampler, temperature=1.0, top_p=0.9, seed=3)
     alone = [_single(model, prompts[0], 9), _single(model, prompts[1], 4),
