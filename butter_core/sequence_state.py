@@ -37,9 +37,6 @@ class Written:
         columns = np.array(list(entries), dtype=np.int64).reshape(-1, 4).T
         return cls(*columns)
 
-    def __len__(self) -> int:
-        return len(self.row)
-
 
 class SequenceState:
     """Per-sequence state of one attention layer in batched storage, one row per sequence slot."""

@@ -80,18 +80,19 @@ class FullPrecisionRows(SequenceState):
         taken = np.flatnonzero((fp_rows >= 0) & ~older)
         targets = state_rows[taken] * budget.rows + fp_rows[taken]
         _, last = np.unique(targets[::-1], return_index=True)  # a later write of the same row replaces it
-        taken = taken[np.sort(len(taken) - 1 - last)]
-        if not len(taken):
+        if not len(last):
             return
+        kept = np.sort(len(taken) - 1 - last)
+        taken, targets = taken[kept], mx.array(targets[kept], dtype=mx.int32)
         ring = taken[ringed[taken]]
         self.recent[state_rows[ring], index[ring]] = written.slot[ring]
         self.recent_positions[state_rows[ring], index[ring]] = written.position[ring]
-        targets = mx.array(state_rows[taken] * budget.rows + fp_rows[taken], dtype=mx.int32)
         sources = written.row[taken]
         every_row = len(sources) == keys.shape[0] * keys.shape[2] and bool((sources == np.arange(len(sources))).all())
+        gather = None if every_row else mx.array(sources, dtype=mx.int32)  # a decode step's: none
         for name, new in (("keys", keys), ("values", values)):  # as [sequences * tokens, heads, D]
             flat = new.squeeze(2) if new.shape[2] == 1 else new.swapaxes(1, 2).reshape(-1, new.shape[1], new.shape[3])
-            flat = flat if every_row else flat[mx.array(sources, dtype=mx.int32)]  # a decode step's: no gather
+            flat = flat if gather is None else flat[gather]
             getattr(self, name)[targets] = flat.astype(self.keys.dtype)
 
     def paged_decode(self, queries, buffers, table, lengths, page_size, scale, rows):
