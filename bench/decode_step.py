@@ -45,7 +45,8 @@ Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
 
     python3 bench/decode_step.py [--context 4096 32768 131072] [--e2e-context 4096 32768]
         [--kv-cache raw,affine4,aura4v2] [--steps 64] [--rounds 3] [--decode-tokens 64] [--prefill-chunk 2048 8192]
-        [--skip-layers] [--skip-e2e] [--small] [--latency [--no-warm-up] [--model-dir DIR]]
+        [--skip-layers] [--skip-e2e] [--profile 'butter raw,butter aura4v2'] [--small]
+        [--latency [--no-warm-up] [--model-dir DIR]]
 
 ``--small`` shrinks the heads, layers and model to run on a CPU as a check of the script.
 """
@@ -53,7 +54,9 @@ Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
+import pstats
 import statistics
 import time
 import traceback
@@ -136,15 +139,20 @@ def layer_paths(args, q_heads: int, kv_heads: int, dim: int):
     return paths
 
 
-def time_steps(step, q, k, v, steps: int, layers: int) -> dict[str, float]:
+def time_steps(step, q, k, v, steps: int, layers: int, profile: cProfile.Profile | None = None) -> dict[str, float]:
     """Per-layer medians (µs) of ``steps`` decode steps: build, encode, wait and their sum;
     and the mean wall (work a cache does every few steps, such as AURA's deferred encode,
-    counts there and hardly in the median)."""
+    counts there and hardly in the median). With ``profile``, the timed steps' builds are
+    profiled (which slows them: their times are then the profile's, not a result)."""
     parts = {"build": [], "encode": [], "wait": [], "wall": []}
     for n in range(WARMUP_STEPS + steps):
+        if profile is not None and n >= WARMUP_STEPS:
+            profile.enable()
         start = time.perf_counter()
         outs = step(q, k, v)
         built = time.perf_counter()
+        if profile is not None:
+            profile.disable()
         mx.async_eval(outs)
         encoded = time.perf_counter()
         mx.eval(outs)
@@ -177,6 +185,8 @@ def layers_section(args, q_heads, kv_heads, dim) -> None:
             except Exception as exc:  # noqa: BLE001 - one path failing (out of memory, no kernel) is reported
                 results[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"}
             mx.clear_cache()
+        if args.profile:
+            profile_build(paths, args, context, q, k, v)
         raw = results.get("butter raw", {}).get("wall")
         sdpa = results["mx.fast.sdpa"].get("wall")
         for name, r in results.items():
@@ -186,6 +196,20 @@ def layers_section(args, q_heads, kv_heads, dim) -> None:
             ratio = f"{r['wall'] / raw:.2f}x" if raw else ""
             print(f"| {context} | {name} | {r['wall']:.1f} | {r['build']:.1f} | {r['encode']:.1f} | {r['wait']:.1f} | "
                   f"{r['mean']:.1f} | {ratio} | {r['wall'] / sdpa:.2f}x |", flush=True)  # fmt: skip
+
+
+def profile_build(paths, args, context: int, q, k, v) -> None:
+    """A cProfile of each ``--profile`` path's builds at ``context``: where the host's time per
+    layer goes on this device (MLX's calls included, as the functions of ``mlx.core``)."""
+    for name in args.profile:
+        profile = cProfile.Profile()
+        step = paths[name](context)
+        time_steps(step, q, k, v, args.steps, args.layers, profile)
+        print(f"\n### cProfile of `{name}`'s build at {context}: {args.steps} steps x {args.layers} layers\n\n```")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_lines)
+        print("```\n", flush=True)
+        del step
+        mx.clear_cache()
 
 
 def mlx_lm_run(model, prompt: mx.array, decode: int) -> dict:
@@ -339,6 +363,9 @@ def main() -> None:
     parser.add_argument("--latency", action="store_true")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="time without warming up first (butter_core.warm_up, mlx-lm's short run)")
+    parser.add_argument("--profile", type=lambda t: t.split(","), default=[], metavar="PATH,...",
+                        help="per layer, also print a cProfile of these paths' builds (e.g. 'butter raw,butter affine4')")
+    parser.add_argument("--profile-lines", type=int, default=25)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/butter-decode-step-model"))
     args = parser.parse_args()
     print(f"MLX {mx.__version__}, {mx.default_device()}, {mx.device_info().get('device_name', '')}, {time.strftime('%Y-%m-%d')}")

@@ -21,7 +21,7 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
 (mlx-lm: between steps), a check on the aggregate rate's window against stalls.
 ``--split-steps N`` times N more butter steps one at a time after the window (``split_steps``):
 the host's part of a step and the device's remainder, which tell a host-bound step from a
-device-bound one. Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
+device-bound one; ``--profile N`` prints a cProfile of N more steps, each alone (where the host's part goes). Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
 before), and split into the KV storage allocated at the end of the run (butter's pages and
 per-sequence rows; mlx-lm's batch caches) and the rest (activations, prefill transients).
 ``--page-size`` runs each butter scheme at each page size (``scheme@pN``; default
@@ -34,17 +34,20 @@ Usage:
 
     python3 bench/gpu_batched.py [--batch 1 8 32 64] [--context 4096] [--decode-tokens 64]
         [--kv-cache raw,affine4,aura4v2] [--page-size 16 64 256] [--prefill-tokens 16384] [--capacity-factor 1]
-        [--once] [--no-mlx-lm] [--split-steps N] [--small]
+        [--once] [--no-mlx-lm] [--split-steps N] [--profile N] [--small]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import importlib
 import itertools
 import importlib.util
 import math
+import pstats
 import statistics
 import sys
 import time
@@ -87,22 +90,22 @@ def read_bandwidth(gib: float) -> float:
 
 
 def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int, prefill: int, spare: int,
-               split: int) -> dict:
+               split: int, profile: int = 0) -> dict:
     engine = Engine(network, LoadOptions(kv_cache=kind))
     batch, context = prompts.shape
     chunk = min(PREFILL_SEQUENCES * context, prefill)
-    pages = -(-(context + decode_budget([context] * batch, chunk, decode) + split) // page_size)
+    pages = -(-(context + decode_budget([context] * batch, chunk, decode) + split + profile) // page_size)
     caches = engine.make_batched_caches(capacity_tokens=spare * batch * pages * page_size, page_size=page_size,
                                         max_sequences=batch)  # fmt: skip
     generation = BatchGeneration(engine, caches, prefill_chunk=chunk)
     mx.synchronize()
     mx.reset_peak_memory()
     ends = []
-    first, rate = decode_together(generation, list(prompts), decode, extra=split,
+    first, rate = decode_together(generation, list(prompts), decode, extra=split + profile,
                                   on_step=lambda got: ends.append((time.perf_counter(), len(got))))  # fmt: skip
     steps = [b - a for (a, _), (b, n) in itertools.pairwise(ends) if n == batch]
     return {"first_s": first, "tok_s": rate, "step_ms": statistics.median(steps) * 1e3 if steps else math.nan,
-            **split_steps(generation, split),
+            **split_steps(generation, split), **profiled_steps(generation, profile),
             "peak_gib": mx.get_peak_memory() / 2**30,
             "kv_gib": caches.nbytes_allocated / 2**30, "bytes_per_position": caches.bytes_per_position}  # fmt: skip
 
@@ -123,6 +126,23 @@ def split_steps(generation: BatchGeneration, steps: int) -> dict:
         host.append(built - start)
         rest.append(time.perf_counter() - built)
     return {"split_host_ms": statistics.median(host) * 1e3, "split_rest_ms": statistics.median(rest) * 1e3}
+
+
+def profiled_steps(generation: BatchGeneration, steps: int, lines: int = 30) -> dict:
+    """A cProfile of ``steps`` more decode steps, each alone (the host's part: building and
+    encoding), as text; empty for 0 steps."""
+    if not steps:
+        return {}
+    profile = cProfile.Profile()
+    for _ in range(steps):
+        mx.synchronize()
+        profile.enable()
+        generation.step()
+        profile.disable()
+    mx.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(lines)
+    return {"profile": text.getvalue()}
 
 
 def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
@@ -182,6 +202,8 @@ def main() -> None:
     parser.add_argument("--split-steps", type=int, default=0,
                         help="after the window, time this many butter steps one at a time: the host's part "
                              "(building and encoding) and the rest (the device finishing)")  # fmt: skip
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the window, print a cProfile of N butter steps, each alone (the host's part)")
     parser.add_argument("--small", action="store_true", help="a small model: a CPU check of the script")
     args = parser.parse_args()
     config = SMALL_MODEL if args.small else QWEN3_1_7B
@@ -205,7 +227,7 @@ def main() -> None:
         for kind, page in itertools.product(kinds, args.page_size):
             label = str(kind) if args.page_size == [PAGE_SIZE] else f"{kind}@p{page}"
             measure = functools.partial(run_butter, network, kind, prompts, args.decode_tokens, page,
-                                        args.prefill_tokens, args.capacity_factor, args.split_steps)  # fmt: skip
+                                        args.prefill_tokens, args.capacity_factor, args.split_steps, args.profile)  # fmt: skip
             engines.append((label, measure))
         for name, run in engines:
             try:
@@ -229,6 +251,8 @@ def main() -> None:
             if "split_host_ms" in r:
                 print(f"      {name}: a step alone: host {r['split_host_ms']:.2f} ms, then the device "
                       f"{r['split_rest_ms']:.2f} ms", flush=True)  # fmt: skip
+            if "profile" in r:
+                print(f"\n{name}: cProfile of {args.profile} steps, each alone\n```\n{r['profile']}```\n", flush=True)
 
 
 if __name__ == "__main__":

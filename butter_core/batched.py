@@ -139,6 +139,7 @@ class BatchedCaches:
         self.storage: list[SlotBuffers | StatePool] = []
         self.states: dict[int, SequenceState | None] = {}
         """Per attention layer, what its scheme keeps per sequence beside the pages (None: nothing)."""
+        shared: dict = {}  # the layers' ``sequence_state(..., shared)``: what they keep once for all
         for spec, prototype, window in zip(self.specs, self.prototypes, self.windows, strict=True):
             if isinstance(spec, StateSpec):
                 self.storage.append(StatePool(spec, prototype.state_dtype, self.max_sequences))
@@ -149,7 +150,7 @@ class BatchedCaches:
             self.storage.append(buffers)
             self.states[len(self.storage) - 1] = prototype.sequence_state(
                 self.max_sequences, self.capacity_tokens if window is None else window.max_size,
-                None if window is None else window.keep,
+                None if window is None else window.keep, shared,
             )
         mx.eval([storage.arrays() if isinstance(storage, StatePool) else storage.read(stacked=True)
                  for storage in self.storage])  # fmt: skip

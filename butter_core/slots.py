@@ -268,12 +268,18 @@ class BufferedSlotCache(SlotCache):
         such kernel here, and batched storage gathers the pages and calls ``decode`` instead."""
         return None
 
-    def sequence_state(self, sequences: int, capacity: int, ring_start: int | None) -> SequenceState | None:
+    def sequence_state(self, sequences: int, capacity: int, ring_start: int | None,
+                       shared: dict) -> SequenceState | None:  # fmt: skip
         """Optional: the state this scheme keeps per sequence beside its pages in batched storage
         (``butter_core.sequence_state``), ``sequences`` rows, each sequence holding at most ``capacity``
         slots, reused in turn from ``ring_start`` under a window (None: none); None where the slots are
         all (most schemes). A scheme with one decodes through ``SequenceState.paged_decode`` (not this
-        class's ``paged_decode``), and a chunk attends to its own rows as they came."""
+        class's ``paged_decode``), and a chunk attends to its own rows as they came.
+
+        ``shared`` is one dict for every layer of the storage: the layers under one window see the
+        same positions written to the same slots, so bookkeeping that depends on nothing else (which
+        slot a row holds) can be kept once for all of them, under a key of the scheme's own, and
+        what a step derives from it made once a step, not once a layer."""
         return None
 
     def store(self, start, keys, values, position):

@@ -12,7 +12,7 @@ from butter_aura.codec import SCALE_DTYPE
 from butter_aura.kind import Aura
 from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype, stacks_for
 from butter_aura.rotation import Rotation, layer_seed
-from butter_aura.sequences import FullPrecisionRows
+from butter_aura.sequences import FullPrecisionRows, RecentRings
 from butter_aura.stored import StoredLayer
 
 FULL_PRECISION_ARRAYS = ("fp_keys", "fp_values", "recent_slots", "recent_positions")
@@ -110,8 +110,11 @@ class AuraCache(BufferedSlotCache):
         values = self.rotation.invert(self.value_codec.decode(rows["value_codes"], rows["value_scales"]))
         return keys.astype(self.spec.dtype), values.astype(self.spec.dtype)
 
-    def sequence_state(self, sequences, capacity, ring_start):
-        return FullPrecisionRows(self, FullPrecisionBudget.for_capacity(capacity, ring_start), sequences)
+    def sequence_state(self, sequences, capacity, ring_start, shared):
+        key = (RecentRings, sequences, capacity, ring_start)  # the layers under one window share their rings
+        if key not in shared:
+            shared[key] = RecentRings(FullPrecisionBudget.for_capacity(capacity, ring_start), sequences)
+        return FullPrecisionRows(self, shared[key])
 
     def store(self, start, keys, values, position):
         """Encode and write the rows, and copy those the budget keeps into the full-precision rows.

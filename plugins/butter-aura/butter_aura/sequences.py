@@ -12,65 +12,60 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
+import attrs
 import mlx.core as mx
 import numpy as np
-
-from typing import TYPE_CHECKING
 
 from butter_core.plugin_api import SequenceState, Written, gather_pages
 
 from butter_aura import cpu
 from butter_aura.kernels import GPU_OPS
-from butter_aura.kernels.paged import PagedStored, paged_decode_attention
+from butter_aura.kernels.paged import PagedStored, paged_decode_attention, ring_params
 from butter_aura.layout import FullPrecisionBudget
 
 if TYPE_CHECKING:
     from butter_aura.cache import AuraCache
 
 
-class FullPrecisionRows(SequenceState):
-    """``budget.rows`` full-precision rows per sequence slot, ``[sequences * rows, kv_heads, head_dim]``
-    for keys and for values (one flat index per row, so a step writes and reads them with one
-    scatter and one gather), and each slot's ``recent_slots``/``recent_positions`` on the host
-    (``[sequences, ring]`` integer arrays), as ``AuraCache`` keeps them."""
+class RecentRings:
+    """Which slot each recent row holds, per sequence slot (``recent``, ``[sequences, ring]``, -1 for
+    a free row) and that slot's position (``recent_positions``), on the host: the single cache's
+    bookkeeping, one ring per sequence. It depends only on the slots and positions a step writes,
+    which every layer under one window shares, so those layers' ``FullPrecisionRows`` keep one
+    ``RecentRings`` (``AuraCache.sequence_state``'s ``shared``), and what a step derives from it, the
+    rows each layer copies (``note``) and the arrays its kernels read (``for_step``), is made by the
+    first layer and reused by the others, not made once a layer."""
 
-    def __init__(self, cache: AuraCache, budget: FullPrecisionBudget, sequences: int):
-        """For the layer of ``cache`` (its codecs, rotation and full-precision dtype; its kernels where
-        its ``ops`` are the GPU's)."""
-        self.cache, self.budget = cache, budget
-        kv_heads, head_dim, dtype = cache.spec.n_kv_heads, cache.spec.head_dim, cache.fp_dtype
-        shape = (sequences * budget.rows, kv_heads, head_dim)
-        self.keys, self.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
-        mx.eval(self.keys, self.values)
+    def __init__(self, budget: FullPrecisionBudget, sequences: int):
+        self.budget = budget
         self.recent = np.full((sequences, budget.ring), -1, dtype=np.int64)
         self.recent_positions = np.full((sequences, budget.ring), -1, dtype=np.int64)
-
-    def arrays(self) -> list[mx.array]:
-        return [self.keys, self.values]
+        self.version = 0
+        """Counts the changes to the rings: ``for_step`` remakes its arrays after one."""
+        self._noted: tuple = (None, None, None)  # (written, rows, copies)
+        self._step: tuple = (None, None, None, None)  # (version, rows, lengths, StepRings)
 
     def reset(self, row: int) -> None:
         self.recent[row] = -1
         self.recent_positions[row] = -1
+        self.version += 1
 
-    def export(self, row: int) -> dict[str, mx.array]:
-        rows = slice(row * self.budget.rows, (row + 1) * self.budget.rows)
-        return {"keys": self.keys[rows], "values": self.values[rows],
-                "recent": mx.array(self.recent[row], dtype=mx.int32),
-                "recent_positions": mx.array(self.recent_positions[row], dtype=mx.int32)}  # fmt: skip
-
-    def restore(self, row: int, arrays: dict[str, mx.array], slots: int) -> None:
+    def restore(self, row: int, recent: np.ndarray, recent_positions: np.ndarray, slots: int) -> None:
         """As ``AuraCache.truncate`` keeps them: a recent row whose slot is past ``slots`` is free."""
-        rows = slice(row * self.budget.rows, (row + 1) * self.budget.rows)
-        self.keys[rows], self.values[rows] = arrays["keys"], arrays["values"]
-        recent = np.array(arrays["recent"])
         kept = recent < slots
         self.recent[row] = np.where(kept, recent, -1)
-        self.recent_positions[row] = np.where(kept, np.array(arrays["recent_positions"]), -1)
+        self.recent_positions[row] = np.where(kept, recent_positions, -1)
+        self.version += 1
 
-    def write(self, rows: Sequence[int], written: Written, keys: mx.array, values: mx.array) -> None:
-        """Copy the written sinks, and the rows that are now the newest position of their recent row
-        (of two positions whose slots share a row, the newer keeps it): array operations over the
-        step's rows, so that a step of many sequences costs the host a few operations a layer."""
+    def note(self, rows: Sequence[int], written: Written, step_rows: int) -> Copies | None:
+        """Take note of a step's rows (``written``, of ``step_rows`` flattened rows; ``rows[b]`` the state
+        row of its sequence ``b``): the sinks, and the rows that are now the newest position of their
+        recent row (of two positions whose slots share a row, the newer keeps it), and which rows each
+        layer copies where (None: none). Once per step: the layers after the first get the same copies."""
+        if self._noted[0] is written and self._noted[1] is rows:
+            return self._noted[2]
         budget = self.budget
         state_rows = np.asarray(rows, dtype=np.int64)[written.sequence]
         fp_rows = budget.rows_of(written.slot)
@@ -80,30 +75,107 @@ class FullPrecisionRows(SequenceState):
         taken = np.flatnonzero((fp_rows >= 0) & ~older)
         targets = state_rows[taken] * budget.rows + fp_rows[taken]
         _, last = np.unique(targets[::-1], return_index=True)  # a later write of the same row replaces it
-        if not len(last):
+        copies = None
+        if len(last):
+            kept = np.sort(len(taken) - 1 - last)
+            taken, targets = taken[kept], targets[kept]
+            ring = taken[ringed[taken]]
+            self.recent[state_rows[ring], index[ring]] = written.slot[ring]
+            self.recent_positions[state_rows[ring], index[ring]] = written.position[ring]
+            self.version += 1
+            sources = written.row[taken]
+            every_row = len(sources) == step_rows and bool((sources == np.arange(len(sources))).all())
+            copies = Copies(mx.array(targets, dtype=mx.int32),
+                            None if every_row else mx.array(sources, dtype=mx.int32))  # fmt: skip
+        self._noted = (written, rows, copies)
+        return copies
+
+    def for_step(self, rows: Sequence[int], lengths: Sequence[int]) -> StepRings:
+        """The rings of a step's sequences (``rows[b]`` the state row of sequence ``b``, ``lengths[b]`` its
+        live slots) as the paged kernels read them: made once while the rings, ``rows`` and
+        ``lengths`` stay the same (the same objects: a step's layers pass the step's)."""
+        version, seen_rows, seen_lengths, made = self._step
+        if version == self.version and seen_rows is rows and seen_lengths is lengths:
+            return made
+        recent = self.recent[np.asarray(rows)]
+        made = StepRings(recent, mx.array(recent, dtype=mx.int32), mx.array(rows, dtype=mx.int32),
+                         ring_params(recent, lengths, self.budget))  # fmt: skip
+        self._step = (self.version, rows, lengths, made)
+        return made
+
+
+@attrs.frozen(eq=False)
+class Copies:
+    """The rows a step's layers copy into their full-precision arrays: to flat rows ``targets``, from
+    the step's flattened rows ``sources`` (None: every row, in order: a decode step's)."""
+
+    targets: mx.array
+    sources: mx.array | None
+
+
+@attrs.frozen(eq=False)
+class StepRings:
+    """A step's sequences' rings as ``kernels.paged.PagedStored`` takes them: on the host ``[B, ring]``,
+    as int32 for the kernels, the sequences' state rows, and ``paged.ring_params``."""
+
+    recent: np.ndarray
+    recent_slots: mx.array
+    sequence_rows: mx.array
+    params: mx.array
+
+
+class FullPrecisionRows(SequenceState):
+    """``budget.rows`` full-precision rows per sequence slot, ``[sequences * rows, kv_heads, head_dim]``
+    for keys and for values (one flat index per row, so a step writes and reads them with one
+    scatter and one gather), and the rings that say which slot each recent row holds
+    (``RecentRings``, shared with the other layers under the same window), as ``AuraCache`` keeps them."""
+
+    def __init__(self, cache: AuraCache, rings: RecentRings):
+        """For the layer of ``cache`` (its codecs, rotation and full-precision dtype; its kernels where
+        its ``ops`` are the GPU's)."""
+        self.cache, self.rings, self.budget = cache, rings, rings.budget
+        kv_heads, head_dim, dtype = cache.spec.n_kv_heads, cache.spec.head_dim, cache.fp_dtype
+        shape = (rings.recent.shape[0] * rings.budget.rows, kv_heads, head_dim)
+        self.keys, self.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+        mx.eval(self.keys, self.values)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+    def reset(self, row: int) -> None:
+        self.rings.reset(row)
+
+    def export(self, row: int) -> dict[str, mx.array]:
+        rows = slice(row * self.budget.rows, (row + 1) * self.budget.rows)
+        return {"keys": self.keys[rows], "values": self.values[rows],
+                "recent": mx.array(self.rings.recent[row], dtype=mx.int32),
+                "recent_positions": mx.array(self.rings.recent_positions[row], dtype=mx.int32)}  # fmt: skip
+
+    def restore(self, row: int, arrays: dict[str, mx.array], slots: int) -> None:
+        rows = slice(row * self.budget.rows, (row + 1) * self.budget.rows)
+        self.keys[rows], self.values[rows] = arrays["keys"], arrays["values"]
+        self.rings.restore(row, np.array(arrays["recent"]), np.array(arrays["recent_positions"]), slots)
+
+    def write(self, rows: Sequence[int], written: Written, keys: mx.array, values: mx.array) -> None:
+        """Copy the rows the rings keep (``RecentRings.note``): one scatter per side a layer."""
+        copies = self.rings.note(rows, written, keys.shape[0] * keys.shape[2])
+        if copies is None:
             return
-        kept = np.sort(len(taken) - 1 - last)
-        taken, targets = taken[kept], mx.array(targets[kept], dtype=mx.int32)
-        ring = taken[ringed[taken]]
-        self.recent[state_rows[ring], index[ring]] = written.slot[ring]
-        self.recent_positions[state_rows[ring], index[ring]] = written.position[ring]
-        sources = written.row[taken]
-        every_row = len(sources) == keys.shape[0] * keys.shape[2] and bool((sources == np.arange(len(sources))).all())
-        gather = None if every_row else mx.array(sources, dtype=mx.int32)  # a decode step's: none
         for name, new in (("keys", keys), ("values", values)):  # as [sequences * tokens, heads, D]
             flat = new.squeeze(2) if new.shape[2] == 1 else new.swapaxes(1, 2).reshape(-1, new.shape[1], new.shape[3])
-            flat = flat if gather is None else flat[gather]
-            getattr(self, name)[targets] = flat.astype(self.keys.dtype)
+            flat = flat if copies.sources is None else flat[copies.sources]
+            getattr(self, name)[copies.targets] = flat.astype(self.keys.dtype)
 
     def paged_decode(self, queries, buffers, table, lengths, page_size, scale, rows):
         """``kernels.paged.paged_decode_attention`` where the cache runs AURA's kernels, else
         ``cpu.gathered_decode_attention`` over the gathered pages."""
         if self.cache.ops is not GPU_OPS:
             return self._gathered_decode(queries, buffers, table, lengths, page_size, scale, rows)
+        step = self.rings.for_step(rows, lengths)
         paged = PagedStored(
             key_codes=buffers["key_codes"], key_scales=buffers["key_scales"], value_codes=buffers["value_codes"],
-            value_scales=buffers["value_scales"], fp_keys=self.keys, fp_values=self.values,
-            recent=self.recent[np.asarray(rows)], sequence_rows=mx.array(rows, dtype=mx.int32), table=table,
+            value_scales=buffers["value_scales"], fp_keys=self.keys, fp_values=self.values, recent=step.recent,
+            recent_slots=step.recent_slots, params=step.params, sequence_rows=step.sequence_rows, table=table,
             lengths=lengths, page_size=page_size, budget=self.budget, key_codec=self.cache.key_codec,
             value_codec=self.cache.value_codec, rotation=self.cache.rotation,
         )  # fmt: skip
@@ -114,7 +186,7 @@ class FullPrecisionRows(SequenceState):
         rows beside them (``cpu.gathered_decode_attention``)."""
         budget, length = self.budget, max(lengths)
         gathered = {name: gather_pages(array, table, page_size, length) for name, array in buffers.items()}
-        recent = mx.array(self.recent[np.asarray(rows)], dtype=mx.int32)
+        recent = mx.array(self.rings.recent[np.asarray(rows)], dtype=mx.int32)
         live = mx.array(lengths, dtype=mx.int32)[:, None]
         member, _ = budget.membership(recent, length)
         coded = ~member & (mx.arange(length, dtype=mx.int32)[None] < live)
@@ -125,7 +197,7 @@ class FullPrecisionRows(SequenceState):
 
     def read(self, rows: Sequence[int], length: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Each sequence's full-precision rows in place of the decoded codes of the slots they hold."""
-        member, fp_row = self.budget.membership(mx.array(self.recent[np.asarray(rows)], dtype=mx.int32), length)
+        member, fp_row = self.budget.membership(mx.array(self.rings.recent[np.asarray(rows)], dtype=mx.int32), length)
         fp_keys, fp_values = self._full_precision(rows, fp_row)
         member = member[:, None, :, None]
         return (mx.where(member, fp_keys.astype(keys.dtype), keys),

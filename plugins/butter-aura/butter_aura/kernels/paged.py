@@ -54,24 +54,28 @@ class PagedStored:
     recent_slots: mx.array = attrs.field(
         default=attrs.Factory(lambda self: mx.array(self.recent, dtype=mx.int32), takes_self=True))
     """``recent`` as the kernels read it, ``[B, ring]`` int32 (made once: both launches read it)."""
+    params: mx.array = attrs.field(
+        default=attrs.Factory(lambda self: ring_params(self.recent, self.lengths, self.budget), takes_self=True))
+    """``ring_params`` of ``recent`` and ``lengths`` (made once: both launches read it)."""
 
     @property
     def length(self) -> int:
         """The longest sequence's live slots: what the splits are planned for."""
         return max(self.lengths)
 
-    def params(self) -> mx.array:
-        """``attention.live_params`` per sequence, ``[B, 7]``: its live slots, the budget's sinks and
-        period, the smallest and largest slot its ring holds (1 and 0 for an empty ring), the
-        budget's base and tail."""
-        held = self.recent >= 0
-        any_held = held.any(axis=1)
-        lo = np.where(any_held, np.where(held, self.recent, np.iinfo(np.int64).max).min(axis=1), 1)
-        hi = np.where(any_held, self.recent.max(axis=1), 0)
-        sinks, recent, base, tail = self.budget.params()
-        rows = np.empty((len(self.lengths), 7), dtype=np.int64)
-        rows[:, 0], rows[:, 1:3], rows[:, 3], rows[:, 4], rows[:, 5:] = self.lengths, (sinks, recent), lo, hi, (base, tail)
-        return kernel_params(rows.ravel().tolist(), mx.int32).reshape(len(self.lengths), 7)
+
+def ring_params(recent: np.ndarray, lengths: Sequence[int], budget: FullPrecisionBudget) -> mx.array:
+    """``attention.live_params`` per sequence, ``[B, 7]``, from its ring ``recent`` (``[B, ring]`` on the
+    host, -1 for a free row) and its live slots: its live slots, the budget's sinks and period, the
+    smallest and largest slot its ring holds (1 and 0 for an empty ring), the budget's base and tail."""
+    held = recent >= 0
+    any_held = held.any(axis=1)
+    lo = np.where(any_held, np.where(held, recent, np.iinfo(np.int64).max).min(axis=1), 1)
+    hi = np.where(any_held, recent.max(axis=1), 0)
+    sinks, period, base, tail = budget.params()
+    rows = np.empty((len(lengths), 7), dtype=np.int64)
+    rows[:, 0], rows[:, 1:3], rows[:, 3], rows[:, 4], rows[:, 5:] = lengths, (sinks, period), lo, hi, (base, tail)
+    return kernel_params(rows.ravel().tolist(), mx.int32).reshape(len(lengths), 7)
 
 
 def paged_decode_attention(queries: mx.array, paged: PagedStored, scale: float, *, method: str | None = None,
@@ -79,7 +83,7 @@ def paged_decode_attention(queries: mx.array, paged: PagedStored, scale: float, 
     """One query token per sequence (``queries`` ``[B, q_heads, 1, head_dim]``) over its pages, on the
     GPU; the queries' dtype. ``method`` and ``splits`` as ``attention.paged_decode_attention_live``."""
     _check(queries, paged)
-    return attention.paged_decode_attention_live(queries, paged, paged.params(), kernel_params((scale,), mx.float32),
+    return attention.paged_decode_attention_live(queries, paged, paged.params, kernel_params((scale,), mx.float32),
                                                  method=method, splits=splits)  # fmt: skip
 
 
