@@ -132,6 +132,7 @@ class BatchedCaches:
         self.max_sequences = max_sequences or default
         self.specs = list(specs)
         self.prototypes = list(prototypes)
+        self._sized_specs: dict[tuple[int, int], LayerSpec | StateSpec] = {}
         self.windows = list(windows or [None] * len(self.specs))
         """Per layer, the window its attention is bounded by (None: every position)."""
         self._bounds = {None if w is None else w.max_size for s, w in zip(self.specs, self.windows) if isinstance(s, LayerSpec)}
@@ -350,6 +351,14 @@ class BatchedCaches:
                   if isinstance(p, BufferedSlotCache) and w is None and p.capacity is not None]  # fmt: skip
         return min(limits, default=None)
 
+    def spec_for(self, index: int, sequences: int) -> LayerSpec | StateSpec:
+        """Layer ``index``'s spec sized for a step of ``sequences`` (made once per size: a decode step's
+        host time is what it builds, and every step of the same batch asks for the same specs)."""
+        key = (index, sequences)
+        if key not in self._sized_specs:
+            self._sized_specs[key] = attrs.evolve(self.specs[index], batch_size=sequences)
+        return self._sized_specs[key]
+
     def views(self, step: BatchedStep) -> list[BatchedLayer | BatchedStateLayer]:
         """One view per layer for ``step``: what the model's layers take as caches."""
         return [(BatchedStateLayer if isinstance(spec, StateSpec) else BatchedLayer)(self, index, step)
@@ -505,7 +514,7 @@ class StepView:
 
     def __init__(self, caches: BatchedCaches, index: int, step: BatchedStep):
         self.caches, self.index, self.step = caches, index, step
-        self.spec = attrs.evolve(caches.specs[index], batch_size=len(step.sequences))
+        self.spec = caches.spec_for(index, len(step.sequences))
 
     @property
     def absolute_position(self) -> int | mx.array:
