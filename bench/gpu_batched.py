@@ -21,8 +21,9 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
 (mlx-lm: between steps), a check on the aggregate rate's window against stalls.
 ``--split-steps N`` times N more butter steps one at a time after the window (``split_steps``):
 the host's part of a step and the device's remainder, which tell a host-bound step from a
-device-bound one; ``--profile N`` prints a cProfile of N more steps, each alone (where the host's part goes). Peak memory is MLX's, reset before each run (the weights are not in it: they were allocated
-before), and split into the KV storage allocated at the end of the run (butter's pages and
+device-bound one; ``--profile N`` prints a cProfile of N more steps, each alone (where the host's
+part goes). Peak memory is MLX's, reset before each run (the weights are not in it: they were
+allocated before), and split into the KV storage allocated at the end of the run (butter's pages and
 per-sequence rows; mlx-lm's batch caches) and the rest (activations, prefill transients).
 ``--page-size`` runs each butter scheme at each page size (``scheme@pN``; default
 ``batched.PAGE_SIZE``). ``--capacity-factor F`` allocates F times the pages the run needs (a

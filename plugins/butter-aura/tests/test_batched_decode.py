@@ -30,21 +30,16 @@ def _chunk(sequences: int, tokens: int, seed: int) -> tuple[mx.array, mx.array, 
     return q, k, v
 
 
-PATHS = {
-    "default": contextlib.nullcontext,
-    "cuda-emulated": lambda: _stacked(standing_in_for_gpu(), emulated_cuda()),
-}
-"""The machine's own path (on the CPU: pages gathered and decoded), and the GPU's
-(``FullPrecisionRows.paged_decode`` over the rings a step shares, its kernels run by the CUDA
-emulator)."""
-
-
 @contextlib.contextmanager
-def _stacked(*contexts):
-    with contextlib.ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
+def _cuda_emulated():
+    """The GPU's path (``FullPrecisionRows.paged_decode`` over the rings a step shares), its kernels
+    run by the CUDA emulator."""
+    with standing_in_for_gpu(), emulated_cuda():
         yield
+
+
+PATHS = {"default": contextlib.nullcontext, "cuda-emulated": _cuda_emulated}
+"""The machine's own path (on the CPU: pages gathered and decoded), and the GPU's, emulated."""
 
 
 @pytest.mark.parametrize("path", [pytest.param("default"), pytest.param("cuda-emulated", marks=pytest.mark.skipif(
