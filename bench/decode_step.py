@@ -72,6 +72,7 @@ from butter_core.engine import Engine
 from butter_core.generation import Generation
 from butter_core.layer_caches import make_layer_caches
 from butter_core.loading.weights import build_model
+from butter_core.models.fused import fuse_projections
 from butter_core.warm_up import warm_up
 from gpu_batched import mlx_lm_module, pipelined_decode
 from gpu_bench import QWEN3_1_7B, SMALL_MODEL
@@ -265,6 +266,7 @@ def e2e_section(args, config: dict) -> None:
     mx.eval(network.parameters())
     qwen3 = mlx_lm_module("models.qwen3")
     reference = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    fuse_projections(network)  # as butter's engine does, so that mlx-lm's model shares its (viewed) weights
     reference.load_weights(tree_flatten(network.parameters()))
     mx.eval(reference.parameters())
     engines = {"mlx-lm raw": lambda p: mlx_lm_run(reference, p, args.decode_tokens)}

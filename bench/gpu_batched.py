@@ -53,7 +53,6 @@ import statistics
 import sys
 import time
 import types
-from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -63,8 +62,8 @@ from butter_core.batch_generation import BatchGeneration
 from butter_core.batched import PAGE_SIZE
 from butter_core.benchmark import decode_budget, decode_together
 from butter_core.engine import Engine
-from butter_core.loading.weights import build_model
-from gpu_bench import QWEN3_1_7B, SMALL_MODEL
+from butter_core.models.fused import fuse_projections
+from gpu_bench import QWEN3_1_7B, SMALL_MODEL, random_qwen3
 
 PREFILL_SEQUENCES = 8
 
@@ -208,11 +207,10 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a small model: a CPU check of the script")
     args = parser.parse_args()
     config = SMALL_MODEL if args.small else QWEN3_1_7B
-    network = build_model(config, Path("qwen3-shaped (random weights)"))
-    network.set_dtype(mx.bfloat16)
-    mx.eval(network.parameters())
+    network = random_qwen3(config)
     qwen3 = mlx_lm_module("models.qwen3")
     reference = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    fuse_projections(network)  # as butter's engine does, so that mlx-lm's model shares its (viewed) weights
     reference.load_weights(tree_flatten(network.parameters()))
     mx.eval(reference.parameters())
     weights = sum(v.nbytes for _, v in tree_flatten(network.parameters()))

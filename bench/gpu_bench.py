@@ -138,8 +138,9 @@ def row(path, context, us, nbytes, raw_us, args):
     }
 
 
-def random_qwen3() -> nn.Module:
-    model = build_model(QWEN3_1_7B, Path("qwen3-1.7b-shaped (random weights)"))
+def random_qwen3(config: dict = QWEN3_1_7B) -> nn.Module:
+    """A model of ``config`` (Qwen3-shaped) with random bf16 weights, evaluated."""
+    model = build_model(config, Path("qwen3-shaped (random weights)"))
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     return model

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.config import Window
 from butter_core.errors import ModelLoadError
 from butter_core.models.config_values import MAX_SIZE
+from butter_core.models.fused import fused
 
 ROPE_TYPES = ("default", "linear", "llama3")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -247,7 +249,13 @@ def attend_through(
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA whose K/V history lives in an ``AttentionCache``."""
+    """Multi-head attention with GQA whose K/V history lives in an ``AttentionCache``.
+
+    Once fused (``fused.fuse_projections``), a single row (one sequence's decode step) is projected
+    by one matmul; more rows keep three, as their queries, keys and values would be strided
+    views, which the per-head norms and RoPE on a GPU first copy."""
+
+    fused_projections = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -263,9 +271,11 @@ class Attention(nn.Module):
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values as ``[batch, heads, tokens, head_dim]``, before RoPE."""
         batch, tokens, _ = x.shape
-        q = self.q_proj(x).reshape(batch, tokens, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim)
+        fusion = fused(self) if batch * tokens == 1 else None
+        q, k, v = fusion(x) if fusion is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.reshape(batch, tokens, self.n_heads, self.head_dim)
+        k = k.reshape(batch, tokens, self.n_kv_heads, self.head_dim)
+        v = v.reshape(batch, tokens, self.n_kv_heads, self.head_dim)
         return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
@@ -304,8 +314,17 @@ class GroupedAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
 
 
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` as one fused operation."""
+    return nn.silu(gate) * up
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; once fused (``fused.fuse_projections``),
+    gate and up are one matmul."""
+
+    fused_projections = ("gate_proj", "up_proj")
 
     def __init__(self, dims: int, hidden_dims: int, *, bias: bool = False):
         super().__init__()
@@ -314,7 +333,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dims, dims, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        fusion = fused(self)
+        gate, up = fusion(x) if fusion is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(swiglu(gate, up))
 
 
 class Block(nn.Module):
