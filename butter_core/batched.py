@@ -45,6 +45,7 @@ from collections.abc import Sequence
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from butter_core.cache import LayerSpec, attend, check_chunk
 from butter_core.config import Window
@@ -189,6 +190,9 @@ class BatchedCaches:
     def release(self, handle: SequenceHandle) -> None:
         """Return the sequence's pages; its handle (and every copy) is refused from now on."""
         sequence = self._get(handle)
+        for state in self.states.values():
+            if state is not None:
+                state.reset(handle.slot)  # before its pages can be another sequence's
         self._free_pages.extend(reversed(sequence.pages))
         sequence.pages, sequence.length, sequence.live = [], 0, False
         sequence.generation += 1
@@ -252,8 +256,10 @@ class BatchedCaches:
             if isinstance(storage, StatePool):
                 layers.append({"conv": storage.conv[handle.slot], "state": storage.state[handle.slot]})
                 continue
-            layer = storage.read_at(page_slots(table, self.page_size, self._slots_of(index, sequence.length)))
             state = self.states[index]
+            if state is not None:
+                state.flush(storage)
+            layer = storage.read_at(page_slots(table, self.page_size, self._slots_of(index, sequence.length)))
             if state is not None:
                 layer.update({f"state.{name}": array for name, array in state.export(handle.slot).items()})
             layers.append(layer)
@@ -471,7 +477,9 @@ class Placement:
                    for b, (start, positions) in enumerate(zip(starts, kept)) for p in positions]  # fmt: skip
         self.written = Written.of(entries)
         """The rows this step writes, in position order per sequence (``SequenceState.write``)."""
-        self.write_slots = mx.array([physical(step.sequences[b], s) for b, _, s, _ in entries], dtype=mx.int32)
+        self.physical = np.array([physical(step.sequences[b], s) for b, _, s, _ in entries], dtype=np.int64)
+        """The physical slot of each row written (``written``'s order), on the host."""
+        self.write_slots = mx.array(self.physical, dtype=mx.int32)
         self.write_rows = mx.array(self.written.row, dtype=mx.int32) if self.wraps or step.ragged else None
         """The rows of the step written (None: all), when some are not: a wrapping chunk's or padding."""
         live = [min(start if self.fresh else start + n, cap) for start, n in zip(starts, counts)]
@@ -532,12 +540,12 @@ class BatchedLayer(StepView):
         prototype, storage = self.caches.prototypes[self.index], self.caches.storage[self.index]
         state = self.caches.states[self.index]
         place = self.step.placement(self.caches.windows[self.index], fresh=state is not None)
-        rows = prototype.encode(keys, values)
         if place.fresh:
+            rows = prototype.encode(keys, values)
             # A wrapping chunk overwrites slots it must first read; any other writes no slot it reads, and
             # writes first, as a single cache does, so that its rows take their place in the sequence state.
             if not place.wraps:
-                self._write(place, rows, keys, values)
+                self._write(place, keys, values, rows)
             stored_keys, stored_values = self._stored(place)
             if place.in_order:  # the causal mask sees every stored slot: only the live ones
                 live = place.live[0]
@@ -547,9 +555,9 @@ class BatchedLayer(StepView):
                          mx.concatenate([stored_values, chunk_values.astype(stored_values.dtype)], axis=2),
                          scale=scale, mask=place.mask)  # fmt: skip
             if place.wraps:
-                self._write(place, rows, keys, values)
+                self._write(place, keys, values, rows)
             return out
-        self._write(place, rows, keys, values)
+        self._write(place, keys, values)
         if self.step.tokens == 1:
             page = self.caches.page_size
             out = (prototype.paged_decode(queries, storage.read(), place.table, place.lengths, page, place.length, scale)
@@ -574,19 +582,27 @@ class BatchedLayer(StepView):
         return (mx.where(wrapping, keys.astype(coded_keys.dtype), coded_keys),
                 mx.where(wrapping, values.astype(coded_values.dtype), coded_values))  # fmt: skip
 
-    def _write(self, place: Placement, rows: dict[str, mx.array], keys: mx.array, values: mx.array) -> None:
-        """Scatter the step's encoded ``rows`` into the pages (and tell the sequence state of the keys and
-        values they encode)."""
-        self.caches.storage[self.index].write_at(place.write_slots, rows, take=place.write_rows)
-        state = self.caches.states[self.index]
+    def _write(self, place: Placement, keys: mx.array, values: mx.array, rows: dict[str, mx.array] | None = None) -> None:
+        """Scatter the step's rows, encoded (``rows`` where the caller has them), into the pages, and tell
+        the sequence state of the keys and values they encode; or leave them to the state, where it
+        takes them (``SequenceState.defer``), after writing any it took before otherwise."""
+        storage, state = self.caches.storage[self.index], self.caches.states[self.index]
+        if state is not None:
+            if state.defer(self.step.slots, place.written, place.physical, keys, values, storage):
+                return
+            state.flush(storage)
+        rows = self.caches.prototypes[self.index].encode(keys, values) if rows is None else rows
+        storage.write_at(place.write_slots, rows, take=place.write_rows)
         if state is not None:
             state.write(self.step.slots, place.written, keys, values)
 
     def _stored(self, place: Placement) -> tuple[mx.array, mx.array]:
         """Each sequence's first ``place.length`` slots, gathered from its pages and decoded (then
         amended by the sequence state)."""
-        keys, values = self.caches.prototypes[self.index].decode(self.caches.storage[self.index].read_at(place.read_index))
         state = self.caches.states[self.index]
+        if state is not None:
+            state.flush(self.caches.storage[self.index])
+        keys, values = self.caches.prototypes[self.index].decode(self.caches.storage[self.index].read_at(place.read_index))
         return (keys, values) if state is None else state.read(self.step.slots, place.length, keys, values)
 
 

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from typing import TYPE_CHECKING
+
 import attrs
 import mlx.core as mx
 import numpy as np
+
+if TYPE_CHECKING:
+    from butter_core.slots import SlotBuffers
 
 
 @attrs.frozen(eq=False)
@@ -42,13 +47,28 @@ class SequenceState:
     """Per-sequence state of one attention layer in batched storage, one row per sequence slot."""
 
     def reset(self, row: int) -> None:
-        """Forget what row ``row`` held: a sequence opens in that slot."""
+        """Forget what row ``row`` held: a sequence opens in that slot, or leaves it (its pages are
+        released: codes ``defer`` took for it are dropped, never written)."""
         raise NotImplementedError
 
     def write(self, rows: Sequence[int], written: Written, keys: mx.array, values: mx.array) -> None:
         """Take note of a step's new rows: ``rows[b]`` is the state row of the step's sequence ``b``,
         ``keys``/``values`` ``[sequences, heads, tokens, head_dim]`` as the layer got them."""
         raise NotImplementedError
+
+    def defer(self, rows: Sequence[int], written: Written, slots: np.ndarray, keys: mx.array, values: mx.array,
+              storage: SlotBuffers) -> bool:  # fmt: skip
+        """Optional: take a step's new rows (as ``write``) and write their codes into ``storage`` later
+        (``flush``), where the state can stand in for them until then (butter-aura: a decode step's
+        tokens, which attention reads from their full-precision rows while they are in the recent
+        ring). ``slots[i]`` is the physical slot of ``written``'s row ``i``. True where it took them:
+        the caller then neither encodes nor writes them; False (the default) where it must."""
+        return False
+
+    def flush(self, storage: SlotBuffers) -> None:
+        """Write into ``storage`` the codes of every row ``defer`` took and has not written: called
+        before anything else writes the layer's pages or reads them other than through
+        ``paged_decode``."""
 
     def read(self, rows: Sequence[int], length: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Amend ``keys``/``values`` ``[sequences, heads, length, head_dim]``, each sequence's slots ``[0,

@@ -5,7 +5,8 @@ what ``AuraCache`` keeps beside its codes: 16-bit copies of the sinks and of the
 positions (``layout.FullPrecisionBudget``), and which slot each recent row holds, so a sequence
 attends in batched storage to the vectors it would attend to alone. On a GPU a decode step reads
 every sequence's codes in place (``kernels.paged``); elsewhere the pages are gathered and decoded,
-and ``read`` puts the rows in.
+and ``read`` puts the rows in. A decode step's tokens are written to their full-precision rows
+only, and their codes later, many steps' at once (``defer``, ``flush``).
 """
 
 from __future__ import annotations
@@ -46,11 +47,65 @@ class RecentRings:
         """Counts the changes to the rings: ``for_step`` remakes its arrays after one."""
         self._noted: tuple = (None, None, None)  # (written, rows, copies)
         self._step: tuple = (None, None, None, None)  # (version, rows, lengths, StepRings)
+        self.layers = 0
+        """The ``FullPrecisionRows`` sharing these rings: each applies every ``Deferred`` batch."""
+        self.pending: dict[int, tuple[int, int]] = {}
+        """Rows whose codes are not written (``defer``): physical slot -> (state row, full-precision row)."""
+        self._pending_rows: set[int] = set()
+        self.sealed: list[Deferred] = []
+        """Batches of deferred rows to write, each layer in turn (``seal``), oldest first."""
+        self.sealed_count = 0
+        self._deferred: tuple = (None, False)  # (written, whether its rows were deferred)
 
     def reset(self, row: int) -> None:
         self.recent[row] = -1
         self.recent_positions[row] = -1
         self.version += 1
+        self._drop(row)
+
+    def _drop(self, row: int) -> None:
+        """Forget the deferred rows of state row ``row`` (its sequence left: its pages may be another's)."""
+        gone = [slot for slot, (owner, _) in self.pending.items() if owner == row]
+        for slot in gone:
+            self._pending_rows.discard(self.pending.pop(slot)[1])
+        self.sealed = [batch.without(row) for batch in self.sealed]
+
+    def defer(self, rows: Sequence[int], written: Written, slots: np.ndarray, step_rows: int) -> tuple[Copies | None, bool]:
+        """``note`` a step's rows, and whether their codes may wait (``FullPrecisionRows.defer``): where
+        every row takes a full-precision row of its own, in order (a decode step's tokens), they are kept
+        as pending (``slots`` their physical slots), after sealing the pending rows whose full-precision
+        rows this step takes over. Once per step, as ``note``."""
+        if self._deferred[0] is written:
+            return self._noted[2], self._deferred[1]
+        copies = self.note(rows, written, step_rows)
+        deferred = copies is not None and copies.sources is None and len(copies.rows) == len(slots)
+        if deferred:
+            if self._pending_rows.intersection(copies.rows.tolist()):
+                self.seal()
+            owners = np.asarray(rows, dtype=np.int64)[written.sequence]
+            for slot, owner, row in zip(slots.tolist(), owners.tolist(), copies.rows.tolist()):
+                if slot in self.pending:
+                    self._pending_rows.discard(self.pending[slot][1])
+                self.pending[slot] = (owner, row)
+                self._pending_rows.add(row)
+        self._deferred = (written, deferred)
+        return copies, deferred
+
+    def seal(self) -> None:
+        """Make the pending rows a batch that every layer writes in turn (``FullPrecisionRows.flush``)."""
+        if not self.pending:
+            return
+        slots = list(self.pending)
+        owners, rows = zip(*self.pending.values())
+        self.sealed_count += 1
+        self.sealed.append(Deferred(self.sealed_count, np.array(owners), np.array(slots), np.array(rows), self.layers))
+        self.pending, self._pending_rows = {}, set()
+
+    def applied(self, batch: Deferred) -> None:
+        """One layer wrote ``batch``; once all have, it is gone."""
+        batch.remaining -= 1
+        if batch.remaining <= 0:
+            self.sealed.remove(batch)
 
     def restore(self, row: int, recent: np.ndarray, recent_positions: np.ndarray, slots: int) -> None:
         """As ``AuraCache.truncate`` keeps them: a recent row whose slot is past ``slots`` is free."""
@@ -86,7 +141,7 @@ class RecentRings:
             sources = written.row[taken]
             every_row = len(sources) == step_rows and bool((sources == np.arange(len(sources))).all())
             copies = Copies(mx.array(targets, dtype=mx.int32),
-                            None if every_row else mx.array(sources, dtype=mx.int32))  # fmt: skip
+                            None if every_row else mx.array(sources, dtype=mx.int32), targets)  # fmt: skip
         self._noted = (written, rows, copies)
         return copies
 
@@ -111,6 +166,25 @@ class Copies:
 
     targets: mx.array
     sources: mx.array | None
+    rows: np.ndarray
+    """``targets`` on the host."""
+
+
+@attrs.define(eq=False)
+class Deferred:
+    """Rows a decode step left without codes (``RecentRings.defer``), sealed for the layers to write:
+    their state rows, physical slots and full-precision rows (host), ``remaining`` layers to write them."""
+
+    number: int
+    owners: np.ndarray
+    slots: np.ndarray
+    rows: np.ndarray
+    remaining: int
+
+    def without(self, row: int) -> Deferred:
+        """This batch less the rows of state row ``row``."""
+        keep = self.owners != row
+        return Deferred(self.number, self.owners[keep], self.slots[keep], self.rows[keep], self.remaining)
 
 
 @attrs.frozen(eq=False)
@@ -138,6 +212,9 @@ class FullPrecisionRows(SequenceState):
         shape = (rings.recent.shape[0] * rings.budget.rows, kv_heads, head_dim)
         self.keys, self.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
         mx.eval(self.keys, self.values)
+        rings.layers += 1
+        self.written_batches = rings.sealed_count
+        """The last ``Deferred`` batch this layer wrote (they are numbered in order)."""
 
     def arrays(self) -> list[mx.array]:
         return [self.keys, self.values]
@@ -158,7 +235,43 @@ class FullPrecisionRows(SequenceState):
 
     def write(self, rows: Sequence[int], written: Written, keys: mx.array, values: mx.array) -> None:
         """Copy the rows the rings keep (``RecentRings.note``): one scatter per side a layer."""
-        copies = self.rings.note(rows, written, keys.shape[0] * keys.shape[2])
+        self._copy(self.rings.note(rows, written, keys.shape[0] * keys.shape[2]), keys, values)
+
+    def defer(self, rows, written, slots, keys, values, storage) -> bool:
+        """A decode step's tokens, each now its sequence's newest recent row, are copied into their
+        full-precision rows only: attention reads them there (``paged_decode``, ``read``) until a later
+        token takes the row, and their codes are written then, for every sequence and up to a ring of
+        steps at once (``flush``: one encode and one write of the pages where each step made one
+        of each). Tokens in the ring's dtype or float32 only (coded from their 16-bit copies, as
+        ``AuraCache.store`` codes a single cache's)."""
+        if keys.shape[2] != 1 or keys.dtype not in (self.keys.dtype, mx.float32):
+            return False
+        copies, deferred = self.rings.defer(rows, written, slots, keys.shape[0] * keys.shape[2])
+        if not deferred:
+            return False
+        self._write_sealed(storage)
+        self._copy(copies, keys, values)
+        return True
+
+    def flush(self, storage) -> None:
+        self.rings.seal()
+        self._write_sealed(storage)
+
+    def _write_sealed(self, storage) -> None:
+        """Write the codes of the sealed batches of deferred rows this layer has not written: encoded
+        from their full-precision rows, one encode and one write of the pages a batch."""
+        for batch in list(self.rings.sealed):
+            if batch.number <= self.written_batches:
+                continue
+            if len(batch.slots):
+                index = mx.array(batch.rows, dtype=mx.int32)
+                keys, values = (array[index].transpose(1, 0, 2)[None] for array in (self.keys, self.values))
+                storage.write_at(mx.array(batch.slots, dtype=mx.int32), self.cache.encode(keys, values))
+            self.written_batches = batch.number
+            self.rings.applied(batch)
+
+    def _copy(self, copies: Copies | None, keys: mx.array, values: mx.array) -> None:
+        """Scatter the rows ``copies`` names into the full-precision rows."""
         if copies is None:
             return
         for name, new in (("keys", keys), ("values", values)):  # as [sequences * tokens, heads, D]

@@ -79,3 +79,66 @@ def test_batched_decode_matches_each_sequences_own_cache(window, path):
                     error = (mx.abs(batched[row : row + 1] - alone).max() / mx.abs(alone).max()).item()
                     assert error < (1e-4 if kernels else 1e-5), (n, layer, row, LENGTHS[row], error)
             step.advance()
+
+
+@pytest.mark.parametrize(("window", "path"), [
+    pytest.param(None, "default", id="no-window-default"),
+    pytest.param(Window(40, keep=4), "default", id="window40-default"),
+    pytest.param(None, "cuda-emulated", id="no-window-cuda-emulated", marks=pytest.mark.skipif(
+        not compiler_available(), reason="the CUDA emulator needs g++ 12+ (_Float16)")),
+])  # fmt: skip
+def test_decode_tokens_codes_wait_in_their_rows_until_the_ring_moves_on(window, path):
+    """A decode step's tokens are copied into their full-precision rows only, and coded a ring of steps
+    later (``FullPrecisionRows.defer``/``flush``): over 40 decode steps (past the 32 recent rows, so
+    codes written late are read), with a sequence exported mid-way (which writes every pending code
+    first) and one released and its slot reused (its pending codes dropped, never written into pages
+    that are now another sequence's), each sequence's output is still its own cache's."""
+    kind = parse_kv_cache("aura4v2")
+    spec = LayerSpec(n_kv_heads=2, head_dim=64, max_positions=256, dtype=mx.float32)
+    singles = [make_layer_caches(kind, [spec] * LAYERS, window) for _ in range(len(LENGTHS) + 1)]  # the machine's
+    joining = singles.pop()  # the sequence that takes a released one's slot
+    seed = [0]
+
+    def chunk(sequences, tokens):
+        seed[0] += 1
+        return _chunk(sequences, tokens, seed[0])
+
+    def join(length, layers):
+        handle = caches.open()
+        caches.reserve(handle, length + 50)
+        for start in range(0, length, 16):
+            step = caches.step([handle], min(16, length - start))
+            for view, single in zip(caches.views(step), layers):
+                q, k, v = chunk(1, step.tokens)
+                view.update_and_attend(q, k, v, scale=0.125)
+                single.update_and_attend(q, k, v, scale=0.125)
+            step.advance()
+        return handle
+
+    with PATHS[path]():
+        prototypes = make_layer_caches(kind, [spec] * LAYERS)
+        kernels = prototypes[0].ops is GPU_OPS
+        caches = BatchedCaches([spec] * LAYERS, prototypes, capacity_tokens=640, page_size=8, windows=[window] * LAYERS)
+        rings = caches.states[0].rings
+        handles = [join(length, layers) for length, layers in zip(LENGTHS, singles)]
+        for n in range(40):
+            if n == 20:
+                snapshot = caches.export_sequence(handles[1])
+                assert not rings.pending and not rings.sealed
+                assert snapshot.length == caches.length(handles[1])
+            if n == 25:  # the first sequence leaves with codes pending; a new one takes its slot (and pages)
+                assert any(owner == handles[0].slot for owner, _ in rings.pending.values())
+                caches.release(handles[0])
+                assert all(owner != handles[0].slot for owner, _ in rings.pending.values())
+                handles[0], singles[0] = join(12, joining), joining
+            step = caches.step(handles, 1)
+            for layer, view in enumerate(caches.views(step)):
+                q, k, v = chunk(len(handles), 1)
+                batched = view.update_and_attend(q, k, v, scale=0.125)
+                for row, layers in enumerate(singles):
+                    alone = layers[layer].update_and_attend(q[row : row + 1], k[row : row + 1], v[row : row + 1],
+                                                            scale=0.125)  # fmt: skip
+                    error = (mx.abs(batched[row : row + 1] - alone).max() / mx.abs(alone).max()).item()
+                    assert error < (1e-4 if kernels else 1e-5), (n, layer, row, error)
+            step.advance()
+            assert len(rings.pending) > 0  # this step's tokens wait for their codes
