@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 from butter_core.loading.weights import WeightOptions, load_network
 from butter_core.model import Model
 from butter_core.models.base import MLP, Attention, swiglu
-from butter_core.models.fused import FusedLinear, fuse_projections, fused
+from butter_core.models.fused import FusedLinear, fuse_projections, fused, plus
 from butter_core.testing.tiny_models import TinySpec
 
 
@@ -86,3 +86,14 @@ def test_swiglu_is_silu_times_up():
     assert mx.allclose(swiglu(gate, up), nn.silu(gate) * up, atol=1e-6)
     whole = mx.random.normal((3, 16))  # strided halves, as a fused gate/up gives them
     assert mx.allclose(swiglu(whole[:, :8], whole[:, 8:]), nn.silu(whole[:, :8]) * whole[:, 8:], atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["plain", "bias", "quantized"])
+def test_plus_adds_the_projection_to_the_residual(kind):
+    holder = nn.Module()
+    holder.linear = nn.Linear(64, 32, bias=kind == "bias")
+    if kind == "quantized":
+        nn.quantize(holder, group_size=32, bits=4)
+    x, residual = mx.random.normal((2, 3, 64)), mx.random.normal((2, 3, 32))
+    assert mx.allclose(plus(holder.linear, x, residual), residual + holder.linear(x), atol=1e-5)
+    assert mx.array_equal(plus(holder.linear, x, None), holder.linear(x))

@@ -28,7 +28,7 @@ from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.config import Window
 from butter_core.errors import ModelLoadError
 from butter_core.models.config_values import MAX_SIZE
-from butter_core.models.fused import fused
+from butter_core.models.fused import fused, plus
 
 ROPE_TYPES = ("default", "linear", "llama3")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -278,14 +278,16 @@ class Attention(nn.Module):
         v = v.reshape(batch, tokens, self.n_kv_heads, self.head_dim)
         return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
-        """Attend ``x``'s tokens: through ``cache`` if given, else over ``x`` alone under ``mask``."""
+    def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal",
+                 residual: mx.array | None = None) -> mx.array:  # fmt: skip
+        """Attend ``x``'s tokens: through ``cache`` if given, else over ``x`` alone under ``mask``; added
+        to ``residual`` where given (in the output projection's matmul)."""
         batch, tokens, _ = x.shape
         q, k, v = self.project(x)
         offset = 0 if cache is None else cache.absolute_position
         q, k = self.rope(q, offset), self.rope(k, offset)
         out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
+        return plus(self.o_proj, out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1), residual)
 
 
 class GroupedAttention(nn.Module):
@@ -332,14 +334,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dims, hidden_dims, bias=bias)
         self.down_proj = nn.Linear(hidden_dims, dims, bias=bias)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The feed-forward of ``x``, added to ``residual`` where given (in the down projection's matmul)."""
         fusion = fused(self)
         gate, up = fusion(x) if fusion is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(swiglu(gate, up))
+        return plus(self.down_proj, swiglu(gate, up), residual)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))`` (each sum in the
+    output projection's matmul)."""
 
     def __init__(self, args: ModelArgs, attention: type[Attention] = Attention):
         super().__init__()
@@ -349,8 +353,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(x), cache, mask, residual=x)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class Backbone(nn.Module):

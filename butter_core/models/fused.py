@@ -1,5 +1,7 @@
-"""Projections that read the same input, computed by one matmul: a decode step's host time is
-paid per operation (docs/benchmarks.md, issue 32), and q/k/v and gate/up are three and two.
+"""Fewer operations a layer: projections that read the same input computed by one matmul, and
+a projection added to the residual stream in the matmul's own epilogue. A decode step's host time
+is paid per operation (docs/benchmarks.md, issue 32): q/k/v and gate/up are three and two, and
+each block adds two projections to its residual.
 
 ``FusedLinear.of(linears)`` concatenates the weights (and biases) of plain ``nn.Linear``
 layers along their outputs into one array and makes each layer's own weight a view of it,
@@ -64,6 +66,17 @@ class FusedLinear:
         """Each layer's output of ``x``, from one matmul (views of its columns)."""
         out = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
         return mx.split(out, self.splits, axis=-1)
+
+
+def plus(linear: nn.Module, x: mx.array, residual: mx.array | None) -> mx.array:
+    """``residual + linear(x)`` (``linear(x)`` for None), one operation (``mx.addmm``) for a plain
+    ``nn.Linear``."""
+    if residual is None:
+        return linear(x)
+    if type(linear) is not nn.Linear:
+        return residual + linear(x)
+    bias = linear.get("bias")
+    return mx.addmm(residual if bias is None else residual + bias, x, linear.weight.T)
 
 
 def fused(owner: nn.Module) -> FusedLinear | None:
