@@ -52,6 +52,7 @@ class RecentRings:
         self.pending: dict[int, tuple[int, int]] = {}
         """Rows whose codes are not written (``defer``): physical slot -> (state row, full-precision row)."""
         self._pending_rows: set[int] = set()
+        self._pending_of: dict[int, set[int]] = {}  # state row -> its pending slots
         self.sealed: list[Deferred] = []
         """Batches of deferred rows to write, each layer in turn (``seal``), oldest first."""
         self.sealed_count = 0
@@ -65,10 +66,10 @@ class RecentRings:
 
     def _drop(self, row: int) -> None:
         """Forget the deferred rows of state row ``row`` (its sequence left: its pages may be another's)."""
-        gone = [slot for slot, (owner, _) in self.pending.items() if owner == row]
-        for slot in gone:
+        for slot in self._pending_of.pop(row, ()):
             self._pending_rows.discard(self.pending.pop(slot)[1])
-        self.sealed = [batch.without(row) for batch in self.sealed]
+        if self.sealed:
+            self.sealed = [batch.without(row) for batch in self.sealed]
 
     def defer(self, rows: Sequence[int], written: Written, slots: np.ndarray, step_rows: int) -> tuple[Copies | None, bool]:
         """``note`` a step's rows, and whether their codes may wait (``FullPrecisionRows.defer``): where
@@ -85,9 +86,12 @@ class RecentRings:
             owners = np.asarray(rows, dtype=np.int64)[written.sequence]
             for slot, owner, row in zip(slots.tolist(), owners.tolist(), copies.rows.tolist()):
                 if slot in self.pending:
-                    self._pending_rows.discard(self.pending[slot][1])
+                    previous, previous_row = self.pending[slot]
+                    self._pending_rows.discard(previous_row)
+                    self._pending_of[previous].discard(slot)
                 self.pending[slot] = (owner, row)
                 self._pending_rows.add(row)
+                self._pending_of.setdefault(owner, set()).add(slot)
         self._deferred = (written, deferred)
         return copies, deferred
 
@@ -99,7 +103,7 @@ class RecentRings:
         owners, rows = zip(*self.pending.values())
         self.sealed_count += 1
         self.sealed.append(Deferred(self.sealed_count, np.array(owners), np.array(slots), np.array(rows), self.layers))
-        self.pending, self._pending_rows = {}, set()
+        self.pending, self._pending_rows, self._pending_of = {}, set(), {}
 
     def applied(self, batch: Deferred) -> None:
         """One layer wrote ``batch``; once all have, it is gone."""
