@@ -177,13 +177,20 @@ class Copies:
 @attrs.define(eq=False)
 class Deferred:
     """Rows a decode step left without codes (``RecentRings.defer``), sealed for the layers to write:
-    their state rows, physical slots and full-precision rows (host), ``remaining`` layers to write them."""
+    their state rows, physical slots and full-precision rows (host), ``remaining`` layers to write them;
+    the slots and rows also as the int32 arrays every layer's write reads (made once a batch)."""
 
     number: int
     owners: np.ndarray
     slots: np.ndarray
     rows: np.ndarray
     remaining: int
+    slot_index: mx.array = attrs.field(init=False)
+    row_index: mx.array = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.slot_index = mx.array(self.slots, dtype=mx.int32)
+        self.row_index = mx.array(self.rows, dtype=mx.int32)
 
     def without(self, row: int) -> Deferred:
         """This batch less the rows of state row ``row``."""
@@ -268,9 +275,8 @@ class FullPrecisionRows(SequenceState):
             if batch.number <= self.written_batches:
                 continue
             if len(batch.slots):
-                index = mx.array(batch.rows, dtype=mx.int32)
-                keys, values = (array[index].transpose(1, 0, 2)[None] for array in (self.keys, self.values))
-                storage.write_at(mx.array(batch.slots, dtype=mx.int32), self.cache.encode(keys, values))
+                keys, values = (array[batch.row_index].transpose(1, 0, 2)[None] for array in (self.keys, self.values))
+                storage.write_at(batch.slot_index, self.cache.encode(keys, values))
             self.written_batches = batch.number
             self.rings.applied(batch)
 
