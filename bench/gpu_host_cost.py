@@ -19,7 +19,9 @@ compiled module. Run on the lent H200 (``PYTHONPATH`` with butter and its plugin
    from the two stacks, butter-aura's ``attention.traced_decode_attention``); and
    butter-affine's one-token append (``quantize_kv``), built anew and traced
    (``ops.traced_quantize``).
-3. The source MLX receives from butter for each kernel defined (header and body, CUDA;
+3. A one-line butter ``Kernel`` reading 1, 4, 8 and 12 inputs, built anew and traced: what
+   an input adds to a call's host cost; and a one-token slice assignment (an append's write).
+4. The source MLX receives from butter for each kernel defined (header and body, CUDA;
    MLX adds its own includes), in KB.
 """
 
@@ -35,6 +37,7 @@ from butter_affine.kernels.decode import make_inputs as affine_inputs
 from butter_affine.packing import BUFFERS, stack
 from butter_aura.kernels import attention
 from butter_aura.kernels.checks import make_stored
+from butter_core.compiled import compile_by_shape
 from butter_core.kernels import Kernel, cuda_binaries
 from butter_core.kernels import kernel as kernel_module
 from butter_core.kernels.dialect import kernel_header, kernel_source
@@ -69,6 +72,41 @@ def header_sizes() -> None:
         for name, call in calls.items():
             build, ev = per_call_us(call)
             print(f"| {kb} KB | {name} | {build:.1f} | {ev:.1f} |")
+
+
+def input_counts() -> None:
+    """A one-line butter ``Kernel`` reading 1 to 12 inputs (one small array each): what each
+    input adds to a call's host cost, built anew and as a ``compile_by_shape`` trace replayed,
+    beside a one-token slice assignment (an append's write) and MLX's SDPA at 4k."""
+    print("\n| call | build µs/call | eval µs/call |\n|---|---:|---:|")
+    for n in (1, 4, 8, 12):
+        inputs = [mx.full((64,), float(i), mx.float32) for i in range(n)]
+        mx.eval(inputs)
+        names = [f"in{i}" for i in range(n)]
+        body = "  out[thread_idx.x] = " + " + ".join(f"{name}[thread_idx.x]" for name in names) + ";\n"
+        kernel = Kernel(f"host_cost_inputs_{n}", names, ["out"], body)
+
+        def call(*arrays, kernel=kernel):
+            return kernel(inputs=list(arrays), output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                          threadgroup=(32, 1, 1))[0]
+
+        traced = compile_by_shape(call)
+        build, ev = per_call_us(lambda: call(*inputs))
+        print(f"| {n} inputs, built anew | {build:.1f} | {ev:.1f} |")
+        build, ev = per_call_us(lambda: traced(*inputs))
+        print(f"| {n} inputs, traced | {build:.1f} | {ev:.1f} |")
+    storage = mx.zeros((1, KV_HEADS, LENGTH + 512, HEAD_DIM), mx.bfloat16)
+    row = mx.ones((1, KV_HEADS, 1, HEAD_DIM), mx.bfloat16)
+    mx.eval(storage, row)
+    slot = [0]
+
+    def assign():
+        slot[0] = (slot[0] + 1) % 512
+        storage[:, :, LENGTH + slot[0] : LENGTH + slot[0] + 1] = row
+        return storage
+
+    build, ev = per_call_us(assign, 200)
+    print(f"| one-token slice assignment into a 4k bf16 buffer | {build:.1f} | {ev:.1f} |")
 
 
 def source_sizes() -> None:
@@ -113,4 +151,5 @@ def decode_calls() -> None:
 if __name__ == "__main__":
     header_sizes()
     decode_calls()
+    input_counts()
     source_sizes()  # after the calls, which define the kernels that are made on first use

@@ -23,8 +23,9 @@ one; a few more serve callers that alternate (two models, prefill and decode).""
 
 
 def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP) -> Callable:
-    """``fn`` (arrays in, arrays out) compiled once per distinct set of input shapes and
-    dtypes, with the ``keep`` most recently used traces kept.
+    """``fn`` (arrays in, arrays out) compiled once per distinct set of input shapes (each
+    compiled function traces every new set of dtypes itself), with the ``keep`` most
+    recently used kept.
 
     Each trace is its own ``mx.compile`` of ``fn``; dropping one releases what MLX held
     for it. Positional array arguments only: anything else ``fn`` needs, bind first
@@ -37,9 +38,9 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP) -> C
 
     @functools.wraps(fn)
     def call(*arrays: mx.array):
-        # Shapes and dtypes as two flat tuples: a tuple of (shape, dtype) pairs hashes at
-        # twice the cost, and on the host path of every decode step's layers.
-        key = (tuple([a.shape for a in arrays]), tuple([a.dtype for a in arrays]))
+        # Shapes only, on the host path of every decode step's layers: reading the dtypes too
+        # doubles the cost, and a compiled function traces each new set of dtypes itself.
+        key = tuple([a.shape for a in arrays])
         if key == latest[0]:
             return latest[1](*arrays)
         compiled = traces.pop(key, None)

@@ -86,7 +86,7 @@ class AuraCache(BufferedSlotCache):
         self._recent_positions = [-1] * self.budget.ring
         """The position each recent-ring row's slot held when written (-1: none): a row goes to
         the newer of two positions."""
-        self._unencoded: list[int] = []
+        self._unencoded: set[int] = set()
         """Recent-ring slots whose codes are not written yet (``store``); each is in the ring."""
 
     # -- storage ---------------------------------------------------------------
@@ -126,15 +126,15 @@ class AuraCache(BufferedSlotCache):
         A decode step then makes no encode call and no slot write, only the ring's. The
         codes are those of the ring's copy: for 16-bit models the token itself, so those an
         immediate encode would write; for float32 models its float16 copy, the copy attention
-        read while the token was in the ring (``_defers``)."""
-        if self._defers(start, keys, position):
+        read while the token was in the ring (``_deferred_row``)."""
+        index = self._deferred_row(start, keys, position)
+        if index is not None:
             self.slots.reserve(start + 1, live=self.length)
-            held = self._recent[self.budget.ring_index(start)]
+            held = self._recent[index]
             if held != start and held in self._unencoded:
                 self._encode_unencoded()
-            self._keep_full_precision(start, keys, values, position)
-            if start not in self._unencoded:
-                self._unencoded.append(start)
+            self._keep_ring_row(index, start, keys, values, position)
+            self._unencoded.add(start)
         else:
             self._encode_unencoded()
             rows = self.encode(keys, values)
@@ -147,19 +147,20 @@ class AuraCache(BufferedSlotCache):
         holds a deferred token encodes the whole ring's at once: step ``ring + 1``."""
         return self.budget.ring + 1
 
-    def _defers(self, start: int, keys: mx.array, position: int) -> bool:
-        """Whether ``store`` may leave these rows' codes for later: one token, bound for a
-        recent-ring row it takes (the newest position of its row), in the dtype the ring
-        keeps or in float32 (whose ring keeps float16).
+    def _deferred_row(self, start: int, keys: mx.array, position: int) -> int | None:
+        """The recent-ring row of a write whose codes ``store`` may leave for later, None for any
+        other: one token, bound for a row it takes (the newest position of its row), in the
+        dtype the ring keeps or in float32 (whose ring keeps float16).
 
         Coding float32 tokens from their float16 copies changes a few of the code words
         that coding them at once would write (a code at a decision boundary moves one
         level), by less than the codes' own error, and spares a float32 model's decode step
         its encode (measurements: docs/benchmarks.md,
         "plugins/butter-aura/butter_aura/cache.py")."""
-        index = self.budget.ring_index(start) if start >= self.budget.sinks else None
-        return (keys.shape[2] == 1 and index is not None and position >= self._recent_positions[index]
-                and keys.dtype in (self.fp_dtype, mx.float32))
+        if keys.shape[2] != 1 or start < self.budget.sinks or keys.dtype not in (self.fp_dtype, mx.float32):
+            return None
+        index = self.budget.ring_index(start)
+        return index if index is not None and position >= self._recent_positions[index] else None
 
     def _encode_unencoded(self) -> None:
         """Encode the ring slots ``store`` left without codes, from their full-precision rows,
@@ -167,7 +168,7 @@ class AuraCache(BufferedSlotCache):
         if not self._unencoded:
             return
         slots = sorted(self._unencoded)
-        self._unencoded = []
+        self._unencoded = set()
         index = mx.array(self.budget.rows_of(np.array(slots)), dtype=mx.int32)
         rows = self.encode(mx.take(self._fp["fp_keys"], index, axis=2), mx.take(self._fp["fp_values"], index, axis=2))
         first = 0
@@ -186,10 +187,7 @@ class AuraCache(BufferedSlotCache):
         if end - start == 1 and start >= budget.sinks:  # a decode step's token: at most its own row
             index = budget.ring_index(start)
             if index is not None and position >= self._recent_positions[index]:
-                row = budget.sinks + index
-                fp["fp_keys"][:, :, row : row + 1] = keys.astype(self.fp_dtype)
-                fp["fp_values"][:, :, row : row + 1] = values.astype(self.fp_dtype)
-                self._recent[index], self._recent_positions[index] = start, position
+                self._keep_ring_row(index, start, keys, values, position)
             return
         if start < budget.sinks:
             stop = min(budget.sinks, end)
@@ -217,6 +215,13 @@ class AuraCache(BufferedSlotCache):
             self._recent[index : index + n] = range(slot, slot + n)
             self._recent_positions[index : index + n] = range(position + slot - start, position + slot - start + n)
             first = i
+
+    def _keep_ring_row(self, index: int, start: int, keys: mx.array, values: mx.array, position: int) -> None:
+        """Copy one token into recent-ring row ``index``, which it takes."""
+        row = self.budget.sinks + index
+        self._fp["fp_keys"][:, :, row : row + 1] = keys.astype(self.fp_dtype)
+        self._fp["fp_values"][:, :, row : row + 1] = values.astype(self.fp_dtype)
+        self._recent[index], self._recent_positions[index] = start, position
 
     def stored(self, length: int | None = None) -> StoredLayer:
         """What attention reads: the coded slots ``[0, length)`` (default: all live) and the full-precision rows."""
@@ -306,7 +311,7 @@ class AuraCache(BufferedSlotCache):
         self._fp = {name: mx.array(fp[name]).astype(expected[name][1]) for name in ("fp_keys", "fp_values")}
         self._recent = fp["recent_slots"].astype(mx.int32).tolist()
         self._recent_positions = fp["recent_positions"].astype(mx.int32).tolist()
-        self._unencoded = []
+        self._unencoded = set()
 
     def meta_state(self):
         return {**super().meta_state(), "rotation_seed": self.rotation.seed, "kind": str(self.kind)}
@@ -323,7 +328,7 @@ class AuraCache(BufferedSlotCache):
 
     def truncate(self, length):
         super().truncate(length)
-        self._unencoded = [slot for slot in self._unencoded if slot < length]
+        self._unencoded = {slot for slot in self._unencoded if slot < length}
         for index, slot in enumerate(self._recent):
             if slot >= length:  # the row is free for the positions written there next
                 self._recent[index] = self._recent_positions[index] = -1

@@ -6,6 +6,7 @@ the GPU kernels (``kernels/``) take exactly this bundle.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -69,8 +70,8 @@ class StoredLayer:
     def recent_range(self) -> tuple[int, int]:
         """Smallest and largest slot the recent ring holds, ``(1, 0)`` (an empty range) when
         it holds none: the kernels skip their ring look-up outside it."""
-        held = [slot for slot in self.recent_on_host() if slot >= 0]
-        return (min(held), max(held)) if held else (1, 0)
+        recent = self.recent_on_host()
+        return held_range(recent if isinstance(recent, tuple) else tuple(recent))
 
     def full_precision_slots(self) -> tuple[list[int], list[int]]:
         """``full_precision_map`` on the host: the slots of ``[0, length)`` read in full precision, and their rows."""
@@ -81,3 +82,11 @@ class StoredLayer:
                 slots.append(slot)
                 rows.append(self.sinks + index)
         return slots, rows
+
+
+@functools.lru_cache(maxsize=64)
+def held_range(recent: tuple[int, ...]) -> tuple[int, int]:
+    """``StoredLayer.recent_range`` of a ring's slots, kept for the most recent rings: every
+    layer of a decode step asks it of the same ring."""
+    held = [slot for slot in recent if slot >= 0]
+    return (min(held), max(held)) if held else (1, 0)
