@@ -73,12 +73,13 @@ def test_only_plain_linears_of_one_input_size_fuse():
     assert FusedLinear.of([nn.Linear(64, 32), nn.Linear(48, 32)]) is None
     assert FusedLinear.of([nn.Linear(64, 32), nn.Linear(64, 32, bias=False)]) is None
     with_bias = [nn.Linear(64, 32), nn.Linear(64, 16)]
-    x = mx.random.normal((2, 3, 64))
-    expected = [linear(x) for linear in with_bias]
+    xs = [mx.random.normal((2, 3, 64)), mx.random.normal((1, 1, 64))]  # several rows, one row
+    expected = [[linear(x) for linear in with_bias] for x in xs]
     fusion = FusedLinear.of(with_bias)
     assert fusion is not None and fusion.current()
-    for got, want, linear in zip(fusion(x), expected, with_bias):
-        assert mx.allclose(got, want, atol=1e-5) and mx.allclose(linear(x), want, atol=1e-5)
+    for x, wanted in zip(xs, expected):
+        for got, want, linear in zip(fusion(x), wanted, with_bias):
+            assert mx.allclose(got, want, atol=1e-5) and mx.allclose(linear(x), want, atol=1e-5)
 
 
 def test_swiglu_is_silu_times_up():
@@ -94,6 +95,7 @@ def test_plus_adds_the_projection_to_the_residual(kind):
     holder.linear = nn.Linear(64, 32, bias=kind == "bias")
     if kind == "quantized":
         nn.quantize(holder, group_size=32, bits=4)
-    x, residual = mx.random.normal((2, 3, 64)), mx.random.normal((2, 3, 32))
-    assert mx.allclose(plus(holder.linear, x, residual), residual + holder.linear(x), atol=1e-5)
-    assert mx.array_equal(plus(holder.linear, x, None), holder.linear(x))
+    for rows in ((2, 3), (4, 1), (1, 1)):  # several rows (one addmm), a batch of single rows, one row
+        x, residual = mx.random.normal((*rows, 64)), mx.random.normal((*rows, 32))
+        assert mx.allclose(plus(holder.linear, x, residual), residual + holder.linear(x), atol=1e-5)
+        assert mx.array_equal(plus(holder.linear, x, None), holder.linear(x))

@@ -1,7 +1,7 @@
 """Fewer operations a layer: projections that read the same input computed by one matmul, and
-a projection added to the residual stream in the matmul's own epilogue. A decode step's host time
-is paid per operation (docs/benchmarks.md, issue 32): q/k/v and gate/up are three and two, and
-each block adds two projections to its residual.
+a projection added to the residual stream in the matmul's own epilogue (over several rows). A
+decode step's host time is paid per operation (docs/benchmarks.md, issue 32): q/k/v and gate/up
+are three and two, and each block adds two projections to its residual.
 
 ``FusedLinear.of(linears)`` concatenates the weights (and biases) of plain ``nn.Linear``
 layers along their outputs into one array and makes each layer's own weight a view of it,
@@ -64,16 +64,23 @@ class FusedLinear:
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Each layer's output of ``x``, from one matmul (views of its columns)."""
-        out = x @ self.weight.T if self.bias is None else mx.addmm(self.bias, x, self.weight.T)
+        if self.bias is None:
+            out = x @ self.weight.T
+        elif x.size == x.shape[-1]:  # one row: the matrix-vector kernel, as in ``plus``
+            out = x @ self.weight.T + self.bias
+        else:
+            out = mx.addmm(self.bias, x, self.weight.T)
         return mx.split(out, self.splits, axis=-1)
 
 
 def plus(linear: nn.Module, x: mx.array, residual: mx.array | None) -> mx.array:
-    """``residual + linear(x)`` (``linear(x)`` for None), one operation (``mx.addmm``) for a plain
-    ``nn.Linear``."""
+    """``residual + linear(x)`` (``linear(x)`` for None): one operation (``mx.addmm``) for a plain
+    ``nn.Linear`` over several rows. A single row (one sequence's decode step) keeps the
+    product and the sum apart: MLX's CUDA backend multiplies one row by its matrix-vector kernel
+    but hands ``addmm`` to cuBLASLt, which made that step 1.5x slower (docs/benchmarks.md)."""
     if residual is None:
         return linear(x)
-    if type(linear) is not nn.Linear:
+    if type(linear) is not nn.Linear or x.size == x.shape[-1]:
         return residual + linear(x)
     bias = linear.get("bias")
     return mx.addmm(residual if bias is None else residual + bias, x, linear.weight.T)
