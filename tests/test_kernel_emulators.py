@@ -167,3 +167,24 @@ def test_emulator_builds_are_keyed_by_their_headers_too(tmp_path, monkeypatch):
     second = metal_emulator.compiled(source)
     assert first != second
     assert subprocess.run([str(second)]).returncode == 4
+
+
+def test_traces_run_eagerly_under_an_emulator_and_compile_again_after():
+    """An emulated kernel evaluates its inputs, which a trace's placeholders cannot be: within an
+    emulator (nested or not) a compiled function runs its Python each call; after the outermost
+    block closes, it replays its trace again."""
+    calls = []
+
+    def body(x):
+        calls.append(1)
+        return x + 1
+
+    f = mx.compile(body)
+    f(mx.ones(2)), f(mx.ones(2))
+    assert len(calls) == 1
+    with emulated_cuda():
+        with emulated_metal():
+            f(mx.ones(2))
+        f(mx.ones(2))
+    assert len(calls) == 3
+    assert mx.array_equal(f(mx.ones(2)), mx.full(2, 2.0)) and len(calls) == 3

@@ -36,7 +36,7 @@ from butter_core.kernels.cuda_binaries import CUDA_TYPES
 from butter_core.kernels.dialect import MMA_HEADER, SHUFFLED_MMA, compact
 from butter_core.kernels.kernel import Launch, executed_by
 from butter_core.kernels.metal_check import template_declarations
-from butter_core.kernels.metal_emulator import check_scheme, execute, kernel_parameters, main_source
+from butter_core.kernels.metal_emulator import check_scheme, eager_traces, execute, kernel_parameters, main_source
 
 HEADER = Path(__file__).with_name("cuda_emulator.h")
 
@@ -101,8 +101,8 @@ def run(launch: Launch) -> list[mx.array]:
 
 @contextlib.contextmanager
 def emulated_cuda() -> Iterator[None]:
-    """Within this block kernels take their CUDA paths and run in the emulator."""
-    with executed_by("cuda", run):
+    """Within this block kernels take their CUDA paths and run in the emulator (traces eagerly)."""
+    with executed_by("cuda", run), eager_traces():
         yield
 
 

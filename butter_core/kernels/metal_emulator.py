@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -208,9 +209,28 @@ def execute(launch: Launch, source: str) -> list[mx.array]:
 
 
 @contextlib.contextmanager
+def eager_traces() -> Iterator[None]:
+    """Within this block ``mx.compile``d functions run as plain Python: an emulator evaluates a
+    kernel's inputs, which a trace cannot (its inputs are placeholders), so the GPU paths that
+    replay traces (``compile_by_shape``) run their kernels call by call instead."""
+    _EAGER[0] += 1
+    mx.disable_compile()
+    try:
+        yield
+    finally:
+        _EAGER[0] -= 1
+        if not _EAGER[0] and not os.environ.get("MLX_DISABLE_COMPILE"):  # MLX's own switch, read at its start
+            mx.enable_compile()
+
+
+_EAGER = [0]
+"""How many ``eager_traces`` blocks are open (compilation comes back when the last one closes)."""
+
+
+@contextlib.contextmanager
 def emulated_metal() -> Iterator[None]:
-    """Within this block kernels take their Metal paths and run in the emulator."""
-    with executed_by("metal", run):
+    """Within this block kernels take their Metal paths and run in the emulator (traces eagerly)."""
+    with executed_by("metal", run), eager_traces():
         yield
 
 

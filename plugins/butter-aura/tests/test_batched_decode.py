@@ -52,8 +52,8 @@ def test_batched_decode_matches_each_sequences_own_cache(window, path):
     of the largest output)."""
     kind = parse_kv_cache("aura4v2")
     spec = LayerSpec(n_kv_heads=2, head_dim=64, max_positions=256, dtype=mx.float32)
-    singles = [make_layer_caches(kind, [spec] * LAYERS, window) for _ in LENGTHS]  # the machine's: the emulator
-    with PATHS[path]():  # cannot run in the traces of a single cache's GPU path; a cache takes its path when made
+    singles = [make_layer_caches(kind, [spec] * LAYERS, window) for _ in LENGTHS]  # the machine's own path, made
+    with PATHS[path]():  # outside (a cache takes its path when made): the reference each batched output meets
         prototypes = make_layer_caches(kind, [spec] * LAYERS)
         kernels = prototypes[0].ops is GPU_OPS
         assert kernels or path == "default"

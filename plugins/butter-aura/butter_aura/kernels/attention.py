@@ -490,7 +490,7 @@ def traced_decode_attention(queries: mx.array, stored: StoredLayer, scale: float
 
 
 @attrs.frozen(eq=False)
-class _TracedRotation:
+class TracedRotation:
     """What the kernels read of a ``Rotation``: its signs (a traced input), and no permutation
     (``_check_decode`` admits power-of-two head dims only)."""
 
@@ -510,7 +510,7 @@ def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget)
         stored = StoredLayer(
             key_codes=key_codes, key_scales=key_scales, value_codes=value_codes, value_scales=value_scales,
             fp_keys=fp_keys, fp_values=fp_values, recent_slots=recent_slots, length=key_codes.shape[2],
-            budget=budget, key_codec=key_codec, value_codec=value_codec, rotation=_TracedRotation(signs),
+            budget=budget, key_codec=key_codec, value_codec=value_codec, rotation=TracedRotation(signs),
         )
         return decode_attention_live(queries, stored, params, scale)
 

@@ -11,13 +11,14 @@ sequence at a time with ``reference.decode_attention`` over that sequence's page
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
-from butter_core.plugin_api import gather_pages, kernel_params
+from butter_core.plugin_api import compile_by_shape, gather_pages, gpu_backend, kernel_params
 
 from butter_aura import reference
 from butter_aura.codec import Codec
@@ -81,10 +82,44 @@ def ring_params(recent: np.ndarray, lengths: Sequence[int], budget: FullPrecisio
 def paged_decode_attention(queries: mx.array, paged: PagedStored, scale: float, *, method: str | None = None,
                            splits: int | None = None) -> mx.array:
     """One query token per sequence (``queries`` ``[B, q_heads, 1, head_dim]``) over its pages, on the
-    GPU; the queries' dtype. ``method`` and ``splits`` as ``attention.paged_decode_attention_live``."""
+    GPU; the queries' dtype. ``method`` and ``splits`` as ``attention.paged_decode_attention_live``.
+
+    On CUDA, unless ``method`` or ``splits`` is forced (or the rotation permutes coordinates, which
+    the trace does not carry), the two launches are a trace replayed
+    (``compile_by_shape``, as a single cache's ``attention.traced_decode_attention``): a batched
+    step is bound by the host, and this spares it building both kernel calls per layer. A trace is
+    planned for every slot the page tables hold (their width, not the longest sequence), so it
+    serves every step until the tables widen or the batch changes."""
     _check(queries, paged)
-    return attention.paged_decode_attention_live(queries, paged, paged.params, kernel_params((scale,), mx.float32),
-                                                 method=method, splits=splits)  # fmt: skip
+    scale_array = kernel_params((scale,), mx.float32)
+    if gpu_backend() == "cuda" and method is None and splits is None and paged.rotation.permutation is None:
+        traced = _traced(paged.key_codec.fields, paged.value_codec.fields, paged.budget, paged.page_size)
+        return traced(queries, paged.rotation.signs, paged.key_codes, paged.key_scales, paged.value_codes,
+                      paged.value_scales, paged.fp_keys, paged.fp_values, paged.recent_slots, paged.sequence_rows,
+                      paged.table, paged.params, scale_array)  # fmt: skip
+    return attention.paged_decode_attention_live(queries, paged, paged.params, scale_array, method=method,
+                                                 splits=splits)  # fmt: skip
+
+
+@functools.cache
+def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget, page_size: int) -> Callable:
+    """``attention.paged_decode_attention_live`` over a step's arrays, traced per shape, for one pair
+    of codecs, full-precision budget and page size (every layer of a model shares it)."""
+    key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
+
+    def graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,
+              sequence_rows, table, params, scale):
+        batch, pages = table.shape
+        paged = PagedStored(
+            key_codes=key_codes, key_scales=key_scales, value_codes=value_codes, value_scales=value_scales,
+            fp_keys=fp_keys, fp_values=fp_values, recent=np.full((batch, budget.ring), -1),
+            recent_slots=recent_slots, params=params, sequence_rows=sequence_rows, table=table,
+            lengths=[pages * page_size] * batch, page_size=page_size, budget=budget, key_codec=key_codec,
+            value_codec=value_codec, rotation=attention.TracedRotation(signs),
+        )  # the lengths plan the splits; each sequence's own is in params
+        return attention.paged_decode_attention_live(queries, paged, params, scale)
+
+    return compile_by_shape(graph)
 
 
 def paged_decode_attention_reference(queries: mx.array, paged: PagedStored, scale: float) -> mx.array:
