@@ -193,8 +193,11 @@ class Deferred:
         self.row_index = mx.array(self.rows, dtype=mx.int32)
 
     def without(self, row: int) -> Deferred:
-        """This batch less the rows of state row ``row``."""
+        """This batch less the rows of state row ``row`` (itself where it holds none: a release resets
+        the shared rings once per layer, and only the first finds the row's)."""
         keep = self.owners != row
+        if keep.all():
+            return self
         return Deferred(self.number, self.owners[keep], self.slots[keep], self.rows[keep], self.remaining)
 
 
