@@ -11,7 +11,6 @@ attends in batched storage to what it would attend to alone.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-
 from typing import TYPE_CHECKING
 
 import attrs

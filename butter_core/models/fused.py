@@ -66,21 +66,26 @@ class FusedLinear:
         """Each layer's output of ``x``, from one matmul (views of its columns)."""
         if self.bias is None:
             out = x @ self.weight.T
-        elif x.size == x.shape[-1]:  # one row: the matrix-vector kernel, as in ``plus``
+        elif one_row(x):
             out = x @ self.weight.T + self.bias
         else:
             out = mx.addmm(self.bias, x, self.weight.T)
         return mx.split(out, self.splits, axis=-1)
 
 
+def one_row(x: mx.array) -> bool:
+    """Whether ``x`` is a single row (one sequence's decode step), whose product with a matrix
+    keeps its sum apart: MLX's CUDA backend multiplies one row by its matrix-vector kernel but
+    hands ``addmm`` to cuBLASLt, which made that step 1.5x slower (docs/benchmarks.md)."""
+    return x.size == x.shape[-1]
+
+
 def plus(linear: nn.Module, x: mx.array, residual: mx.array | None) -> mx.array:
     """``residual + linear(x)`` (``linear(x)`` for None): one operation (``mx.addmm``) for a plain
-    ``nn.Linear`` over several rows. A single row (one sequence's decode step) keeps the
-    product and the sum apart: MLX's CUDA backend multiplies one row by its matrix-vector kernel
-    but hands ``addmm`` to cuBLASLt, which made that step 1.5x slower (docs/benchmarks.md)."""
+    ``nn.Linear`` over several rows (``one_row``: a single row keeps the product and the sum apart)."""
     if residual is None:
         return linear(x)
-    if type(linear) is not nn.Linear or x.size == x.shape[-1]:
+    if type(linear) is not nn.Linear or one_row(x):
         return residual + linear(x)
     bias = linear.get("bias")
     return mx.addmm(residual if bias is None else residual + bias, x, linear.weight.T)
