@@ -304,12 +304,32 @@ class SlotCache(AttentionCache):
         ``mask``: the one call a forward makes into a scheme per layer (``update_and_attend``, and
         the window decorator while its slots hold its positions in order or it takes one token).
 
-        The default writes, then calls ``attention``. A scheme overrides it to do both in one place:
-        attend to a chunk from the rows as they arrived rather than decoding what it just encoded
-        (butter-aura), or fuse the write into its attention kernel.
+        The default takes ``decode_step`` for one token where the scheme has one, else writes, then
+        calls ``attention``. A scheme overrides it to do both in one place for a chunk too: attend
+        to a chunk from the rows as they arrived rather than decoding what it just encoded
+        (butter-aura).
         """
-        self.write(start, keys, values, position)
+        tokens = keys.shape[2]
+        self._check_write(start, tokens)
+        if mask is None and tokens == 1 and queries.shape[2] == 1:
+            live = max(self._length, start + 1)
+            out = self.decode_step(start, keys, values, position, queries, live, scale)
+            if out is not None:
+                self._length = live
+                return out
+        self._store_checked(start, keys, values, position)
         return self.attention(queries, scale=scale, mask=mask)
+
+    def decode_step(
+        self, start: int, keys: mx.array, values: mx.array, position: int, queries: mx.array, live: int, scale: float
+    ) -> mx.array | None:  # fmt: skip
+        """Optional: one token's ``store`` and ``attention`` in one place, the slots ``[0, live)`` live
+        after it (the write was checked), or None to take that path. A decode step on a GPU is bound
+        by the host, so a scheme whose write and attention are kernels does better with them in one
+        traced call (``compile_by_shape``) than with a call and a slice assignment each: its
+        buffers given to the trace and written there (``slots.slot_update``), then replaced by the
+        trace's outputs (``SlotBuffers.replace``), which updates them in place."""
+        return None
 
     # -- the LayerCache API, built on the primitives ----------------------------
 
@@ -324,7 +344,14 @@ class SlotCache(AttentionCache):
     def write(self, start: int, keys: mx.array, values: mx.array, position: int | None = None) -> None:
         """Store rows of positions ``[position, position + tokens)`` (default: ``start``) at slots
         ``[start, start + tokens)``; used by ``append`` and eviction decorators."""
-        tokens = keys.shape[2]
+        self._check_write(start, keys.shape[2])
+        self._store_checked(start, keys, values, start if position is None else position)
+
+    def _store_checked(self, start: int, keys: mx.array, values: mx.array, position: int) -> None:
+        self.store(start, keys, values, position)
+        self._length = max(self._length, start + keys.shape[2])
+
+    def _check_write(self, start: int, tokens: int) -> None:
         if start < 0 or start > self._length:
             raise IndexError(f"write at slot {start} would leave a gap: live slots are [0, {self._length})")
         if start + tokens > self.capacity:
@@ -332,8 +359,6 @@ class SlotCache(AttentionCache):
                 f"layer {self.spec.layer_index}: {start + tokens} positions exceed the cache capacity "
                 f"{self.capacity}; raise max_context_length or use window eviction (--kv-window-size)"
             )
-        self.store(start, keys, values, start if position is None else position)
-        self._length = max(self._length, start + tokens)
 
     def append(self, keys, values):
         check_chunk(self.spec, keys, values)

@@ -8,7 +8,7 @@ import pytest
 
 from butter_core import ConfigError, LayerSpec, LoadOptions, Window
 from butter_core.model import Model
-from butter_core.slots import GROWTH_STEP, SlotBuffers
+from butter_core.slots import GROWTH_STEP, SlotBuffers, slot_update
 from butter_core.testing.tiny_models import TinySpec
 
 SPEC = LayerSpec(n_kv_heads=2, head_dim=8, max_positions=600)
@@ -92,6 +92,33 @@ def test_views_are_kept_until_a_write_and_do_not_stop_it_writing_in_place():
     mx.eval(list(after.values()))
     assert mx.get_peak_memory() - before < stack_bytes // 100
     assert after["a"][0, 0, 5, 0].item() == 7 and after["b"][0, 0, 4, 0].item() == 1
+
+
+def test_a_traced_write_replaces_the_storage_in_place():
+    """A scheme's ``decode_step`` writes its token inside a compiled function (``slot_update``, at a
+    slot read from an array) and hands the outputs to ``replace``: the storage is updated in
+    place (the old arrays donated to the write), the next ``read`` shows the token, and storage
+    of other keys is refused by name."""
+    spec = LayerSpec(n_kv_heads=8, head_dim=128, max_positions=1 << 16)
+    buffers = SlotBuffers(spec, spec.max_positions, {"a": (32, mx.uint32), "b": (32, mx.uint32)},
+                          stacks={"ab": ("a", "b")})  # fmt: skip
+    buffers.write(0, {"ab": mx.ones((2, 1, 8, 1 << 16, 32), mx.uint32)}, live=0)
+    stack_bytes = buffers.read(stacked=True)["ab"].nbytes
+    write = mx.compile(lambda stack, row, slot: slot_update(stack, row, slot, axis=3))
+    mx.eval(buffers.read(stacked=True))
+    gc.collect()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for slot in (5, 6):
+        buffers.replace({"ab": write(buffers.read(stacked=True)["ab"], mx.full((2, 1, 8, 1, 32), 7, mx.uint32),
+                                     mx.array([slot], mx.int32))})  # fmt: skip
+        mx.eval(buffers.read(stacked=True))
+    assert mx.get_peak_memory() - before < stack_bytes // 100
+    after = buffers.read()
+    assert [after["a"][0, 0, s, 0].item() for s in (4, 5, 6, 7)] == [1, 7, 7, 1]
+    assert after["b"][0, 3, 6, 31].item() == 7
+    with pytest.raises(ConfigError, match=r"must hold \['ab'\]; got \['a', 'b'\]"):
+        buffers.replace(buffers.read())
 
 
 @pytest.mark.parametrize("stacks", [{}, {"ab": ("a", "b")}], ids=["by-buffer", "stacked"])

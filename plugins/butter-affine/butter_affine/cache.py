@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, PrefillPipeline
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, PrefillPipeline, kernel_params
 
 from butter_affine.kind import Affine
 from butter_affine.ops import AffineOps, decode_kernel, select_ops
@@ -24,7 +24,8 @@ class AffineCache(BufferedSlotCache):
     biases. Multi-token attention dequantizes the live slots and uses MLX's SDPA, then
     hands its output to ``pipeline`` (shared by the layers of one model; None: no
     bound) so that few layers' dequantized K/V exist at once (``butter_core.working_set``);
-    single-token attention uses the fastest path of this backend (``ops``). In batched storage
+    single-token attention uses the fastest path of this backend (``ops``), on CUDA with the
+    token's write in the same traced call (``decode_step``). In batched storage
     (``butter_core.batched``) on a GPU, a decode step reads every sequence's codes in place
     through its page table (``kernels.decode_mma.paged_decode_attention`` on CUDA's tensor
     cores where it serves the format, else ``kernels.decode.paged_decode_attention``).
@@ -59,6 +60,16 @@ class AffineCache(BufferedSlotCache):
         if length == 0 or not self.slots.allocated:
             return self.decode(self.slots.read(0))
         return self.ops.dequantize(self.slots.read(), length)
+
+    def decode_step(self, start, keys, values, position, queries, live, scale):
+        step = self.ops.decode_step
+        if step is None:
+            return None
+        self.slots.reserve(start + 1, live=self.length)
+        out, stacks = step(queries, keys, values, self.slots.read(stacked=True), kernel_params((start,), mx.int32),
+                           kernel_params((live,), mx.int32), kernel_params((scale,), mx.float32))
+        self.slots.replace(stacks)
+        return out
 
     def attention(self, queries, *, scale: float, mask: Mask):
         if queries.shape[2] == 1 and mask is None and self.ops.decode is not None:

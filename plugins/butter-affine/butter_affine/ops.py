@@ -52,6 +52,7 @@ from butter_core.plugin_api import (
     gpu_backend,
     grouped_queries,
     kernel_params,
+    slot_update,
     softmax_for,
     unstack,
 )
@@ -65,6 +66,8 @@ Buffers = dict[str, mx.array]
 Quantize = Callable[[mx.array, mx.array], Buffers]
 Dequantize = Callable[[Buffers, int], tuple[mx.array, mx.array]]
 Decode = Callable[[mx.array, Buffers, int, float], mx.array]
+DecodeStep = Callable[[mx.array, mx.array, mx.array, Buffers, mx.array, mx.array, mx.array], tuple[mx.array, Buffers]]
+"""``(queries, keys, values, stacks, start, live, scale) -> (out, stacks)``: ``kernel_decode_step``."""
 
 
 @attrs.frozen
@@ -73,13 +76,16 @@ class AffineOps:
     (``packing.STACKS``);
     ``dequantize(buffers, length)`` -> live keys and values, from the buffers by name;
     ``decode(queries, stacks, length, scale)`` -> single-token attention, from the two
-    stacks (``SlotBuffers.read(stacked=True)``), or None to dequantize and use SDPA. Both get
-    the cache's whole arrays; no function needs a slice of them."""
+    stacks (``SlotBuffers.read(stacked=True)``), or None to dequantize and use SDPA;
+    ``decode_step``, where there is one, the append and ``decode`` of one token in one call
+    (``AffineCache.decode_step``). Each gets the cache's whole arrays; no function needs a
+    slice of them."""
 
     name: str
     quantize: Quantize
     dequantize: Dequantize
     decode: Decode | None
+    decode_step: DecodeStep | None = None
 
 
 def select_ops(fmt: PackedFormat) -> AffineOps:
@@ -101,7 +107,8 @@ def select_ops(fmt: PackedFormat) -> AffineOps:
     if backend == "cuda" and kernel is not None:
         tensor_cores = kernel is decode_mma
         ops = attrs.evolve(ops, name=f"cuda kernels, {'tensor-core ' if tensor_cores else ''}fused decode",
-                           decode=shared_kernel_decode(tensor_cores))
+                           decode=shared_kernel_decode(tensor_cores),
+                           decode_step=kernel_decode_step(fmt, tensor_cores))
     return ops
 
 
@@ -137,13 +144,7 @@ def kernel_decode(*, tensor_cores: bool) -> Decode:
     anew, and a decode step on the GPU is host-bound (measurements: docs/benchmarks.md,
     "plugins/butter-affine/butter_affine/ops.py")."""
 
-    def graph(queries, codes, scales_biases, live, scale):
-        if tensor_cores and queries.dtype in decode_mma.SUPPORTED_DTYPES:
-            return decode_mma.decode_attention_stacks(queries, codes, scales_biases, live=live, scale=scale)
-        buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
-        return decode.decode_attention_live(queries, *(buffers[name] for name in BUFFERS), live=live, scale=scale)
-
-    traced = compile_by_shape(graph)
+    traced = compile_by_shape(partial(_decode_graph, tensor_cores=tensor_cores))
 
     def attend(queries: mx.array, stacks: Buffers, length: int, scale: float) -> mx.array:
         allocated = stacks["codes"].shape[-2]
@@ -156,10 +157,47 @@ def kernel_decode(*, tensor_cores: bool) -> Decode:
     return attend
 
 
+def _decode_graph(queries, codes, scales_biases, live, scale, *, tensor_cores: bool) -> mx.array:
+    """Single-token attention over a cache's two stacks by the fused decode kernel, as traced."""
+    if tensor_cores and queries.dtype in decode_mma.SUPPORTED_DTYPES:
+        return decode_mma.decode_attention_stacks(queries, codes, scales_biases, live=live, scale=scale)
+    buffers = unstack({"codes": codes, "scales_biases": scales_biases}, STACKS)
+    return decode.decode_attention_live(queries, *(buffers[name] for name in BUFFERS), live=live, scale=scale)
+
+
 @cache
 def shared_kernel_decode(tensor_cores: bool) -> Decode:
     """``kernel_decode``, made once: every layer's cache shares it, and so its traces."""
     return kernel_decode(tensor_cores=tensor_cores)
+
+
+@cache
+def kernel_decode_step(fmt: PackedFormat, tensor_cores: bool) -> DecodeStep:
+    """A decode step's append and attention as one trace per buffer shape, shared by every
+    layer's cache (``AffineCache.decode_step``): ``quantize_kv`` of the token, its rows written
+    into the two stacks at slot ``start`` (``slot_update``) (a device array, as are the
+    live length ``live`` and ``scale``), then the fused decode kernel over the written
+    stacks, whose outputs replace the cache's. One replay a layer where ``traced_quantize``,
+    two slice assignments and ``kernel_decode`` take four calls (measurements:
+    docs/benchmarks.md, "Issue 32, ninth session")."""
+
+    def graph(queries, keys, values, codes, scales_biases, start, live, scale):
+        rows = quantize.quantize_kv(keys.astype(fmt.dtype), values.astype(fmt.dtype), bits=fmt.bits,
+                                    group_size=fmt.group_size)
+        codes = slot_update(codes, rows["codes"], start, axis=3)
+        scales_biases = slot_update(scales_biases, rows["scales_biases"], start, axis=3)
+        out = _decode_graph(queries, codes, scales_biases, live, scale, tensor_cores=tensor_cores)
+        return out.astype(queries.dtype), codes, scales_biases
+
+    traced = compile_by_shape(graph)
+
+    def step(queries, keys, values, storage, start, live, scale):
+        out, codes, scales_biases = traced(queries, keys, values, storage["codes"], storage["scales_biases"], start,
+                                           live, scale)
+        return out, {"codes": codes, "scales_biases": scales_biases}
+
+    step.traces = traced.traces
+    return step
 
 
 @cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,12 +11,14 @@ from butter_core.cpu_attention import softmax_for
 from butter_core.kernels import backend, gpu_backend, recorded_builds, relative_error, split_k
 from butter_core.kernels.backend import standing_in_for_gpu
 from butter_core.plugin_api import LayerSpec
+from butter_core import Window, make_layer_caches
 from butter_core.kernels.checks import DEFAULT_RTOL
 from butter_core.kernels.cuda_emulator import emulated_cuda
 from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 from butter_core.kernels.dialect import compact
 from butter_core.slots import unstack
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
+from butter_core.testing.reference import random_chunk
 
 from butter_affine import codec
 from butter_affine import ops
@@ -417,3 +420,32 @@ def test_stacked_tensor_core_decode_matches_reference_under_the_cuda_emulator():
     with emulated_cuda():
         result = STACKED_MMA_CHECK.check(seed=13, **STACKED_MMA_CHECK.cases[3])
     assert result.passed, result
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["tensor-cores", "simt"])
+def test_a_decode_step_writes_and_attends_in_one_call_as_the_calls_it_replaces(dtype):
+    """On CUDA a single cache's decode step is one traced call (``ops.kernel_decode_step``: the
+    token quantized, written into the stacks by ``slot_update``, attended to). Under the
+    emulator its outputs and buffers equal those of the four calls it replaces, through the
+    buffers' growth past 256 slots and a window's overwrites (the ring wraps at 260)."""
+    spec = LayerSpec(n_kv_heads=2, head_dim=64, max_positions=512, dtype=dtype)
+    scale = spec.head_dim**-0.5
+
+    with standing_in_for_gpu(), emulated_cuda():
+        fused, plain = (make_layer_caches(Affine(4), [spec], Window(max_size=260, keep=4))[0] for _ in range(2))
+        assert fused.inner.ops.decode_step is not None
+        plain.inner.ops = attrs.evolve(plain.inner.ops, decode_step=None)
+        queries, keys, values = random_chunk(spec, 250, 4, mx.random.key(0))
+        for cache in (fused, plain):
+            cache.update_and_attend(queries, keys, values, scale=scale)
+        for step in range(14):
+            queries, keys, values = random_chunk(spec, 1, 4, mx.random.key(10 + step))
+            out_fused, out_plain = (c.update_and_attend(queries, keys, values, scale=scale) for c in (fused, plain))
+            assert out_fused.dtype == dtype
+            assert mx.array_equal(out_fused, out_plain).item(), step
+        assert fused.inner.slots.allocated > 256
+        assert fused.inner.ops.decode_step.traces  # the steps took it
+        stored_fused, stored_plain = (c.inner.slots.read(stacked=True) for c in (fused, plain))
+        for name in STACKS:
+            assert mx.array_equal(stored_fused[name], stored_plain[name]).item(), name

@@ -9,6 +9,7 @@ from butter_core.plugin_api import BufferedSlotCache, ConfigError, LayerSpec, Pr
 
 from butter_aura import reference
 from butter_aura.codec import SCALE_DTYPE
+from butter_aura.kernels.attention import traces
 from butter_aura.kind import Aura
 from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype, stacks_for
 from butter_aura.rotation import Rotation, layer_seed
@@ -129,10 +130,7 @@ class AuraCache(BufferedSlotCache):
         read while the token was in the ring (``_deferred_row``)."""
         index = self._deferred_row(start, keys, position)
         if index is not None:
-            self.slots.reserve(start + 1, live=self.length)
-            held = self._recent[index]
-            if held != start and held in self._unencoded:
-                self._encode_unencoded()
+            self._free_ring_row(index, start)
             self._keep_ring_row(index, start, keys, values, position)
             self._unencoded.add(start)
         else:
@@ -140,6 +138,30 @@ class AuraCache(BufferedSlotCache):
             rows = self.encode(keys, values)
             self.slots.write(start, rows, live=self.length)
             self._keep_full_precision(start, keys, values, position)
+
+    def decode_step(self, start, keys, values, position, queries, live, scale):
+        """Where calls are traced (``kernels.attention.traces``), a deferred token (``store``) is
+        written into its ring row and attended to in one call (``GPU_OPS.decode_step``)."""
+        step = getattr(self.ops, "decode_step", None)
+        if step is None or not traces():
+            return None
+        index = self._deferred_row(start, keys, position)
+        if index is None:
+            return None
+        self._free_ring_row(index, start)
+        self._recent[index], self._recent_positions[index] = start, position
+        self._unencoded.add(start)
+        out, fp_keys, fp_values = step(queries, keys, values, self.budget.sinks + index, self.stored(live), scale)
+        self._fp = {"fp_keys": fp_keys, "fp_values": fp_values}
+        return out
+
+    def _free_ring_row(self, index: int, start: int) -> None:
+        """Ready ring row ``index`` for a deferred token of slot ``start``: the slot allocated, and
+        the codes of a deferred token the row still holds written."""
+        self.slots.reserve(start + 1, live=self.length)
+        held = self._recent[index]
+        if held != start and held in self._unencoded:
+            self._encode_unencoded()
 
     @property
     def warm_up_steps(self) -> int:
@@ -261,7 +283,10 @@ class AuraCache(BufferedSlotCache):
     def store_and_attend(self, start, keys, values, position, queries, *, scale, mask):
         """A chunk's queries see the chunk's own keys and values as they arrived, not decoded from
         the codes just written (the codes' error would enter prefill attention twice); what came
-        before is decoded once. One token goes through ``attention`` (the decode kernel)."""
+        before is decoded once. One token goes through ``decode_step`` where it serves, else
+        ``attention`` (the decode kernel)."""
+        if mask is None and keys.shape[2] == 1:
+            return super().store_and_attend(start, keys, values, position, queries, scale=scale, mask=mask)
         self.write(start, keys, values, position)
         if not isinstance(mask, str) or start + keys.shape[2] != self.length:
             return self.attention(queries, scale=scale, mask=mask)

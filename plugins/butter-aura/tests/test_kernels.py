@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import types
+
 import attrs
 import mlx.core as mx
 import pytest
 
-from butter_core import LayerSpec
+from butter_core import LayerSpec, Window, make_layer_caches
 from butter_core.cache import reference_attention
 from butter_core.kernels import backend, executed_by, gpu_backend, recorded_builds, relative_error, standing_in_for_gpu
 from butter_core.kernels.cuda_emulator import emulated_cuda
 from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
 from butter_core.testing import on_the_cpu  # noqa: F401 - a fixture
+from butter_core.testing.reference import random_chunk
 
-from butter_aura import cpu, reference
+from butter_aura import Aura, cpu, reference
 from butter_aura.kernels import GPU_OPS, KERNEL_CHECKS, attention, attention_mma, checks, encode, ops_for, paged
 from butter_aura.kernels.checks import make_paged_inputs
 
@@ -251,3 +254,36 @@ def test_decode_takes_the_simt_kernel_on_gpus_without_tensor_cores(monkeypatch, 
     with recorded_builds("cuda") as builds:
         attention.decode_attention(**inputs)
     assert [build.kernel.name for build in builds] == [partials, "butter_aura_decode_merge"]
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the CUDA emulator needs g++ 12+ (_Float16)")
+@pytest.mark.parametrize(("dtype", "window", "steps"), [(mx.bfloat16, Window(max_size=16, keep=4), 16),
+                                                       (mx.float32, None, 34)],
+                         ids=["tensor-cores-window", "simt-ring-wrap"])  # fmt: skip
+def test_a_decode_step_writes_its_ring_row_and_attends_in_one_call_as_the_calls_it_replaces(dtype, window, steps):
+    """On CUDA a deferred token's ring-row write and the decode attention are one traced call
+    (``attention.traced_decode_step``). Under the emulator its outputs and state equal those of
+    the write and the call it replaces: past a window's 16 slots (a ring of 12 rows after 4
+    sinks: each token overwrites its slot and row), and, without a window, past the 32-row
+    ring's wrap (the 33rd decode token's row holds a deferred token, whose codes are then
+    written)."""
+    spec = LayerSpec(n_kv_heads=2, head_dim=64, max_positions=512, dtype=dtype)
+    scale = spec.head_dim**-0.5
+
+    with standing_in_for_gpu(), emulated_cuda():
+        fused, plain = (make_layer_caches(Aura(4, 2), [spec], window)[0] for _ in range(2))
+        inner = [getattr(c, "inner", c) for c in (fused, plain)]
+        assert inner[0].ops is GPU_OPS
+        inner[1].ops = types.SimpleNamespace(**{**vars(GPU_OPS), "decode_step": None})
+        assert inner[0].budget.recent == (12 if window else 32)
+        queries, keys, values = random_chunk(spec, 10, 4, mx.random.key(0))
+        for cache in (fused, plain):
+            cache.update_and_attend(queries, keys, values, scale=scale)
+        for step in range(steps):
+            queries, keys, values = random_chunk(spec, 1, 4, mx.random.key(10 + step))
+            out_fused, out_plain = (c.update_and_attend(queries, keys, values, scale=scale) for c in (fused, plain))
+            assert out_fused.dtype == dtype
+            assert mx.array_equal(out_fused, out_plain).item(), step
+        assert attention._traced.cache_info().currsize  # the steps took the traced call
+        for name, array in inner[0].state().items():
+            assert mx.array_equal(array, inner[1].state()[name]).item(), name

@@ -3,7 +3,8 @@
 * ``encode`` (``encode.py``): rotate and code appended keys and values (one launch).
 * ``decode_attention`` (``attention.py``): one query token over the codes, flash-decoding
   split-K, no key or value materialised (two launches); on CUDA a cache calls it traced
-  once per buffer shape and replayed (``traced_decode_attention``). Its partials run on tensor cores
+  once per buffer shape and replayed (``traced_decode_attention``), with the token's write
+  into the full-precision rows in the same trace (``traced_decode_step``). Its partials run on tensor cores
   (``attention_mma.py``) on CUDA wherever that kernel serves the configuration (aura4v2,
   aura4v4, aura8v4, aura8v8 with one scale per vector, float16/bfloat16 queries), else on
   the SIMT kernel in ``attention.py``.
@@ -27,9 +28,11 @@ from butter_aura.kernels.checks import KERNEL_CHECKS
 
 GPU_OPS = types.SimpleNamespace(
     encode=encode.encode, encode_rows=encode.encode_rows, decode_attention=attention.traced_decode_attention,
-    dequantize=dequantize.dequantize,
+    dequantize=dequantize.dequantize, decode_step=attention.traced_decode_step,
 )
-"""The kernel implementations, shaped like the ``reference`` module."""
+"""The kernel implementations, shaped like the ``reference`` module, and ``decode_step``: a decode
+step's write into the full-precision rows and its attention in one traced call, where calls are
+traced (``attention.traces``; ``AuraCache.decode_step``)."""
 
 
 def available() -> bool:

@@ -41,7 +41,15 @@ from collections.abc import Callable
 import attrs
 import mlx.core as mx
 
-from butter_core.plugin_api import Kernel, compile_by_shape, gpu_backend, kernel_params, split_k, tensor_cores_available
+from butter_core.plugin_api import (
+    Kernel,
+    compile_by_shape,
+    gpu_backend,
+    kernel_params,
+    slot_update,
+    split_k,
+    tensor_cores_available,
+)
 
 from butter_aura.codec import Codec
 from butter_aura.kernels import attention_mma
@@ -480,7 +488,7 @@ def traced_decode_attention(queries: mx.array, stored: StoredLayer, scale: float
     decode step on the GPU is host-bound, and this spares the host building two kernel
     calls per layer (butter-affine's ``ops.kernel_decode`` does the same; docs/benchmarks.md).
     On Metal (never measured: no Apple GPU here) the call is built anew, as before."""
-    if gpu_backend() != "cuda":
+    if not traces():
         return decode_attention(queries, stored, scale)
     _check_decode(queries, stored)
     traced = _traced(stored.key_codec.fields, stored.value_codec.fields, stored.budget)
@@ -498,11 +506,34 @@ class TracedRotation:
     permutation: None = None
 
 
+def traces() -> bool:
+    """Whether a cache's decode calls are traced here (``traced_decode_attention``,
+    ``traced_decode_step``): on CUDA."""
+    return gpu_backend() == "cuda"
+
+
+def traced_decode_step(queries: mx.array, keys: mx.array, values: mx.array, row: int, stored: StoredLayer,
+                       scale: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """A decode step of one cache whose token goes to full-precision row ``row`` (its codes
+    deferred), where calls are traced (``traces``): the token written into ``stored.fp_keys``
+    and ``stored.fp_values`` at that row (``slot_update``), and ``traced_decode_attention``
+    over the result, in one traced call (``AuraCache.decode_step``). ``stored`` holds the
+    arrays before the write. Returns the output and the written full-precision arrays,
+    which replace the cache's (updated in place: the cache lets go of the old ones)."""
+    _check_decode(queries, stored)
+    traced = _traced(stored.key_codec.fields, stored.value_codec.fields, stored.budget, writes=True)
+    return traced(queries, keys, values, kernel_params((row,), mx.int32), stored.rotation.signs, stored.key_codes,
+                  stored.key_scales, stored.value_codes, stored.value_scales, stored.fp_keys, stored.fp_values,
+                  stored.recent_slots, live_params(stored), kernel_params((scale,), mx.float32))
+
+
 @functools.cache
-def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget) -> Callable[..., mx.array]:
+def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget,
+            writes: bool = False) -> Callable[..., mx.array]:  # fmt: skip
     """``decode_attention_live`` over a layer's arrays, traced per shape, for one pair of
     codecs and full-precision budget (named by their fields, so every layer of a model
-    shares it)."""
+    shares it); with ``writes``, after writing a token into the full-precision rows
+    (``traced_decode_step``)."""
     key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
 
     def graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,
@@ -514,7 +545,15 @@ def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget)
         )
         return decode_attention_live(queries, stored, params, scale)
 
-    return compile_by_shape(graph)
+    def write_then_attend(queries, keys, values, row, signs, key_codes, key_scales, value_codes, value_scales, fp_keys,
+                          fp_values, recent_slots, params, scale):
+        fp_keys = slot_update(fp_keys, keys.astype(fp_keys.dtype), row, axis=2)
+        fp_values = slot_update(fp_values, values.astype(fp_values.dtype), row, axis=2)
+        out = graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,
+                    params, scale)
+        return out, fp_keys, fp_values
+
+    return compile_by_shape(write_then_attend if writes else graph)
 
 
 def _simt_partials(
