@@ -130,9 +130,8 @@ class AuraCache(BufferedSlotCache):
         read while the token was in the ring (``_deferred_row``)."""
         index = self._deferred_row(start, keys, position)
         if index is not None:
-            self._free_ring_row(index, start)
-            self._keep_ring_row(index, start, keys, values, position)
-            self._unencoded.add(start)
+            self._defer(index, start, position)
+            self._copy_to_ring_row(index, keys, values)
         else:
             self._encode_unencoded()
             rows = self.encode(keys, values)
@@ -148,20 +147,21 @@ class AuraCache(BufferedSlotCache):
         index = self._deferred_row(start, keys, position)
         if index is None:
             return None
-        self._free_ring_row(index, start)
-        self._recent[index], self._recent_positions[index] = start, position
-        self._unencoded.add(start)
+        self._defer(index, start, position)
         out, fp_keys, fp_values = step(queries, keys, values, self.budget.sinks + index, self.stored(live), scale)
         self._fp = {"fp_keys": fp_keys, "fp_values": fp_values}
         return out
 
-    def _free_ring_row(self, index: int, start: int) -> None:
-        """Ready ring row ``index`` for a deferred token of slot ``start``: the slot allocated, and
-        the codes of a deferred token the row still holds written."""
+    def _defer(self, index: int, start: int, position: int) -> None:
+        """Give ring row ``index`` to the deferred token of slot ``start`` (its full-precision copy
+        is the caller's to write): the slot allocated, the codes of a deferred token the row
+        still holds written first, and the slot recorded as held there and not yet encoded."""
         self.slots.reserve(start + 1, live=self.length)
         held = self._recent[index]
         if held != start and held in self._unencoded:
             self._encode_unencoded()
+        self._recent[index], self._recent_positions[index] = start, position
+        self._unencoded.add(start)
 
     @property
     def warm_up_steps(self) -> int:
@@ -240,10 +240,14 @@ class AuraCache(BufferedSlotCache):
 
     def _keep_ring_row(self, index: int, start: int, keys: mx.array, values: mx.array, position: int) -> None:
         """Copy one token into recent-ring row ``index``, which it takes."""
+        self._copy_to_ring_row(index, keys, values)
+        self._recent[index], self._recent_positions[index] = start, position
+
+    def _copy_to_ring_row(self, index: int, keys: mx.array, values: mx.array) -> None:
+        """Write one token's full-precision copy into recent-ring row ``index``."""
         row = self.budget.sinks + index
         self._fp["fp_keys"][:, :, row : row + 1] = keys.astype(self.fp_dtype)
         self._fp["fp_values"][:, :, row : row + 1] = values.astype(self.fp_dtype)
-        self._recent[index], self._recent_positions[index] = start, position
 
     def stored(self, length: int | None = None) -> StoredLayer:
         """What attention reads: the coded slots ``[0, length)`` (default: all live) and the full-precision rows."""
