@@ -13,7 +13,10 @@ shares). For each batch size B (``--batch``): B prompts of ``--context`` random 
   are still decoding when the last one starts).
 - mlx-lm 0.32.2: the core of its batched decode restated (importing ``mlx_lm.generate`` needs
   transformers, which the GPU machine lacks): ``BatchKVCache`` per layer, all B prompts
-  prefilled together in chunks of 2048 (its default step), then one ``[B, 1]`` forward per
+  prefilled together in chunks of ``--mlx-lm-prefill-chunk`` (default 2048, its default step;
+  its peak memory is the chunk's logits, B x chunk x vocab: at B=64 and 2048 that is 40 GB of
+  the 109 GB it needs, so a smaller chunk fits it on an 80 GB card and leaves its decode steps
+  as they are), then one ``[B, 1]`` forward per
   step, each step's graph built while the previous evaluates (``mx.async_eval``), as its
   ``GenerationBatch`` does; decode tok/s = B * (steps - 1) / time between first and last.
 
@@ -35,7 +38,7 @@ Usage:
 
     python3 bench/gpu_batched.py [--batch 1 8 32 64] [--context 4096] [--decode-tokens 64]
         [--kv-cache raw,affine4,aura4v2] [--page-size 16 64 256] [--prefill-tokens 16384] [--capacity-factor 1]
-        [--once] [--no-mlx-lm] [--split-steps N] [--profile N] [--small]
+        [--once] [--no-mlx-lm] [--mlx-lm-prefill-chunk 2048] [--split-steps N] [--profile N] [--small]
 """
 
 from __future__ import annotations
@@ -145,15 +148,15 @@ def profiled_steps(generation: BatchGeneration, steps: int, lines: int = 30) -> 
     return {"profile": text.getvalue()}
 
 
-def run_mlx_lm(model, prompts: mx.array, decode: int) -> dict:
+def run_mlx_lm(model, prompts: mx.array, decode: int, chunk: int) -> dict:
     cache_module = mlx_lm_module("models.cache")
     batch, context = prompts.shape
     caches = [cache_module.BatchKVCache([0] * batch) for _ in model.layers]
     mx.synchronize()
     mx.reset_peak_memory()
     start = time.perf_counter()
-    for offset in range(0, context - 1, 2048):
-        model(prompts[:, offset : min(offset + 2048, context - 1)], cache=caches)
+    for offset in range(0, context - 1, chunk):
+        model(prompts[:, offset : min(offset + chunk, context - 1)], cache=caches)
         mx.eval([c.state for c in caches])
         mx.clear_cache()
 
@@ -199,6 +202,8 @@ def main() -> None:
                         help="one run per engine, not a compiling run first (long contexts: the prefill kernels "
                              "compile before the decode window opens)")  # fmt: skip
     parser.add_argument("--no-mlx-lm", action="store_true", help="butter's schemes only")
+    parser.add_argument("--mlx-lm-prefill-chunk", type=int, default=2048,
+                        help="mlx-lm's prefill chunk (its default step is 2048; 512 fits B=64 at 4k on an 80 GB card)")
     parser.add_argument("--split-steps", type=int, default=0,
                         help="after the window, time this many butter steps one at a time: the host's part "
                              "(building and encoding) and the rest (the device finishing)")  # fmt: skip
@@ -222,7 +227,7 @@ def main() -> None:
     for batch in args.batch:
         prompts = mx.random.randint(0, config["vocab_size"], (batch, args.context), key=mx.random.key(batch)).astype(mx.uint32)
         results = {}
-        engines = [] if args.no_mlx_lm else [("mlx-lm", lambda: run_mlx_lm(reference, prompts, args.decode_tokens))]
+        engines = [] if args.no_mlx_lm else [("mlx-lm", lambda: run_mlx_lm(reference, prompts, args.decode_tokens, args.mlx_lm_prefill_chunk))]
         for kind, page in itertools.product(kinds, args.page_size):
             label = str(kind) if args.page_size == [PAGE_SIZE] else f"{kind}@p{page}"
             measure = functools.partial(run_butter, network, kind, prompts, args.decode_tokens, page,
