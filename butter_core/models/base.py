@@ -29,6 +29,8 @@ from butter_core.config import Window
 from butter_core.errors import ModelLoadError
 from butter_core.models.config_values import MAX_SIZE
 from butter_core.models.fused import fused, plus
+from butter_core.models import traced as traced_blocks
+from butter_core.models.traced import TracedDecode, rope_offset
 
 ROPE_TYPES = ("default", "linear", "llama3")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -353,8 +355,28 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
+        traced = self.traced_decode(x, cache)
+        if traced is not None:
+            q, k, v = traced.before(x, rope_offset(cache.absolute_position))
+            return traced.after(attend_through(cache, q, k, v, scale=self.self_attn.scale, mask=mask), x)
         h = self.self_attn(self.input_layernorm(x), cache, mask, residual=x)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
+
+    def traced_decode(self, x: mx.array, cache: AttentionCache | None) -> TracedDecode | None:
+        """The traced halves of this block's step (``traced.TracedDecode``) for one token per sequence
+        through a cache, made afresh when a weight changed; None for other calls, where the
+        attention or the feed-forward is not this module's own (a family's override), and while
+        ``traced.ENABLED`` is off."""
+        if cache is None or x.shape[1] != 1 or not traced_blocks.ENABLED:
+            return None
+        if type(self.self_attn).__call__ is not Attention.__call__ or type(self.mlp).__call__ is not MLP.__call__:
+            return None
+        traced = self.__dict__.get("_traced")
+        if traced is None or not traced.current():
+            traced = TracedDecode(self)
+            # Kept out of the module's parameters, as ``fused.fuse_projections`` keeps its fusions.
+            object.__setattr__(self, "_traced", traced)
+        return traced
 
 
 class Backbone(nn.Module):

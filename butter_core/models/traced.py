@@ -1,0 +1,82 @@
+"""A decoder block's decode step as two traced calls around its cache.
+
+A decode step on a GPU is bound by the host (docs/benchmarks.md, issue 32): every MLX operation
+a layer builds costs host time, and a Llama or Qwen3 block builds about a dozen around its
+cache (the input norm, the projections, the per-head norms, RoPE, the output projection and
+its residual, the second norm, the feed-forward and its residual). ``TracedDecode`` builds
+the operations before the cache and those after it as one ``mx.compile`` replay each, traced
+once per input shape (``compile_by_shape``: one sequence's step, a batch of a given size; the
+``KEEP`` most recent kept).
+
+The block's weights are constants of the traces, so a trace is used only while every weight
+it read is still the block's (``TracedDecode.current``): a weight replaced later
+(``load_weights``, ``set_dtype``, a fusion redone) makes the block trace again, never run a
+stale copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from butter_core.compiled import compile_by_shape
+from butter_core.kernels.params import kernel_params
+from butter_core.models.fused import plus
+
+ENABLED = True
+"""False: every block runs its decode step op by op (``bench/fused_projections.py --switch traced``
+compares the two step by step)."""
+
+KEEP = 8
+"""Traces kept per half, one per batch size: a batched engine's batch size moves as sequences join
+and leave, and tracing a block anew costs about half a millisecond of host time (a 28-layer
+model about 15 ms, docs/benchmarks.md), so a few recent sizes are kept."""
+
+
+class TracedDecode:
+    """The traced halves of one block's decode step: ``before`` (hidden states and RoPE offsets in,
+    RoPE'd queries and keys and the values out) and ``after`` (the attention's output and the
+    block's input in, the block's output out)."""
+
+    def __init__(self, block: nn.Module):
+        attention = block.self_attn
+
+        def before(x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+            q, k, v = attention.project(block.input_layernorm(x))
+            return attention.rope(q, offset), attention.rope(k, offset), v
+
+        def after(out: mx.array, x: mx.array) -> mx.array:
+            batch, tokens, _ = x.shape
+            h = plus(attention.o_proj, out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1), x)
+            return block.mlp(block.post_attention_layernorm(h), residual=h)
+
+        self.before: Callable = compile_by_shape(before, keep=KEEP)
+        self.after: Callable = compile_by_shape(after, keep=KEEP)
+        read = list(_parameters(block))
+        self._modules = tuple(module for module, _, _ in read)
+        self._names = tuple(name for _, name, _ in read)
+        self._read = tuple(id(array) for _, _, array in read)
+
+    def current(self) -> bool:
+        """Whether every parameter array the traces read is still the block's. That covers the fused
+        projections (``fused``) too: a fusion makes its layers' weights views of its own, so making
+        or dropping one replaces parameters. (A trace keeps its arrays alive, so no new array
+        takes an old one's id.)"""
+        return tuple(map(id, map(dict.get, self._modules, self._names))) == self._read
+
+
+def _parameters(module: nn.Module):
+    """``(module, name, array)`` for every parameter array of ``module`` and its submodules."""
+    for name, value in module.items():
+        if isinstance(value, mx.array):
+            yield module, name, value
+        elif isinstance(value, nn.Module):
+            yield from _parameters(value)
+
+
+def rope_offset(offset: int | mx.array) -> mx.array:
+    """A cache's ``absolute_position`` as a trace's input: an array already (one per sequence), else
+    one int32 element every layer of a step shares (``kernel_params``)."""
+    return offset if isinstance(offset, mx.array) else kernel_params((offset,), mx.int32)
