@@ -27,10 +27,9 @@ import mlx.nn as nn
 from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
 from butter_core.config import Window
 from butter_core.errors import ModelLoadError
+from butter_core.models import traced
 from butter_core.models.config_values import MAX_SIZE
 from butter_core.models.fused import fused, plus
-from butter_core.models import traced as traced_blocks
-from butter_core.models.traced import TracedDecode, rope_offset
 
 ROPE_TYPES = ("default", "linear", "llama3")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -284,11 +283,17 @@ class Attention(nn.Module):
                  residual: mx.array | None = None) -> mx.array:  # fmt: skip
         """Attend ``x``'s tokens: through ``cache`` if given, else over ``x`` alone under ``mask``; added
         to ``residual`` where given (in the output projection's matmul)."""
-        batch, tokens, _ = x.shape
+        q, k, v = self.queries_keys_values(x, 0 if cache is None else cache.absolute_position)
+        return self.output(attend_through(cache, q, k, v, scale=self.scale, mask=mask), residual)
+
+    def queries_keys_values(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """What this attention hands its cache for ``x``: queries and keys RoPE'd at ``offset``, values."""
         q, k, v = self.project(x)
-        offset = 0 if cache is None else cache.absolute_position
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def output(self, out: mx.array, residual: mx.array | None) -> mx.array:
+        """The attention's output ``[batch, heads, tokens, head_dim]`` projected, added to ``residual`` where given."""
+        batch, _, tokens, _ = out.shape
         return plus(self.o_proj, out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1), residual)
 
 
@@ -355,28 +360,39 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
-        traced = self.traced_decode(x, cache)
-        if traced is not None:
-            q, k, v = traced.before(x, rope_offset(cache.absolute_position))
-            return traced.after(attend_through(cache, q, k, v, scale=self.self_attn.scale, mask=mask), x)
-        h = self.self_attn(self.input_layernorm(x), cache, mask, residual=x)
+        step = self.traced_decode(x, cache)
+        if step is not None:
+            q, k, v = step.before(x, traced.rope_offset(cache.absolute_position))
+            return step.after(attend_through(cache, q, k, v, scale=self.self_attn.scale, mask=mask), x)
+        return self.feed_forward(self.self_attn(self.input_layernorm(x), cache, mask, residual=x))
+
+    def before_cache(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The block's work before its cache: the input norm, then the attention's queries, keys and values."""
+        return self.self_attn.queries_keys_values(self.input_layernorm(x), offset)
+
+    def after_cache(self, out: mx.array, x: mx.array) -> mx.array:
+        """The block's work after its cache: the attention's output added to ``x``, then ``feed_forward``."""
+        return self.feed_forward(self.self_attn.output(out, x))
+
+    def feed_forward(self, h: mx.array) -> mx.array:
+        """``h`` plus the feed-forward of its norm."""
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
-    def traced_decode(self, x: mx.array, cache: AttentionCache | None) -> TracedDecode | None:
+    def traced_decode(self, x: mx.array, cache: AttentionCache | None) -> traced.TracedDecode | None:
         """The traced halves of this block's step (``traced.TracedDecode``) for one token per sequence
         through a cache, made afresh when a weight changed; None for other calls, where the
         attention or the feed-forward is not this module's own (a family's override), and while
         ``traced.ENABLED`` is off."""
-        if cache is None or x.shape[1] != 1 or not traced_blocks.ENABLED:
+        if cache is None or x.shape[1] != 1 or not traced.ENABLED:
             return None
         if type(self.self_attn).__call__ is not Attention.__call__ or type(self.mlp).__call__ is not MLP.__call__:
             return None
-        traced = self.__dict__.get("_traced")
-        if traced is None or not traced.current():
-            traced = TracedDecode(self)
+        step = self.__dict__.get("_traced")
+        if step is None or not step.current():
+            step = traced.TracedDecode(self)
             # Kept out of the module's parameters, as ``fused.fuse_projections`` keeps its fusions.
-            object.__setattr__(self, "_traced", traced)
-        return traced
+            object.__setattr__(self, "_traced", step)
+        return step
 
 
 class Backbone(nn.Module):

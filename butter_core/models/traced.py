@@ -23,7 +23,6 @@ import mlx.nn as nn
 
 from butter_core.compiled import compile_by_shape
 from butter_core.kernels.params import kernel_params
-from butter_core.models.fused import plus
 
 ENABLED = True
 """False: every block runs its decode step op by op (``bench/fused_projections.py --switch traced``
@@ -41,20 +40,10 @@ class TracedDecode:
     block's input in, the block's output out)."""
 
     def __init__(self, block: nn.Module):
-        attention = block.self_attn
-
-        def before(x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-            q, k, v = attention.project(block.input_layernorm(x))
-            return attention.rope(q, offset), attention.rope(k, offset), v
-
-        def after(out: mx.array, x: mx.array) -> mx.array:
-            batch, tokens, _ = x.shape
-            h = plus(attention.o_proj, out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1), x)
-            return block.mlp(block.post_attention_layernorm(h), residual=h)
-
-        self.before: Callable = compile_by_shape(before, keep=KEEP)
-        self.after: Callable = compile_by_shape(after, keep=KEEP)
-        read = list(_parameters(block))
+        self.before: Callable = compile_by_shape(block.before_cache, keep=KEEP)
+        self.after: Callable = compile_by_shape(block.after_cache, keep=KEEP)
+        read = [(module, name, value) for _, module in block.named_modules() for name, value in module.items()
+                if isinstance(value, mx.array)]  # fmt: skip
         self._modules = tuple(module for module, _, _ in read)
         self._names = tuple(name for _, name, _ in read)
         self._read = tuple(id(array) for _, _, array in read)
@@ -65,15 +54,6 @@ class TracedDecode:
         or dropping one replaces parameters. (A trace keeps its arrays alive, so no new array
         takes an old one's id.)"""
         return tuple(map(id, map(dict.get, self._modules, self._names))) == self._read
-
-
-def _parameters(module: nn.Module):
-    """``(module, name, array)`` for every parameter array of ``module`` and its submodules."""
-    for name, value in module.items():
-        if isinstance(value, mx.array):
-            yield module, name, value
-        elif isinstance(value, nn.Module):
-            yield from _parameters(value)
 
 
 def rope_offset(offset: int | mx.array) -> mx.array:
