@@ -22,10 +22,15 @@ KEEP = 4
 one; a few more serve callers that alternate (two models, prefill and decode)."""
 
 
-def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP) -> Callable:
+def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP, after: int = 1) -> Callable:
     """``fn`` (arrays in, arrays out) compiled once per distinct set of input shapes (each
     compiled function traces every new set of dtypes itself), with the ``keep`` most
     recently used kept.
+
+    A set of shapes is traced at its ``after``-th call; the calls before it run ``fn`` as it
+    is. Where tracing costs more than a few calls save (a decoder block's step, traced per
+    batch size), a shape seen once or twice, such as a batch size that lasts a step while
+    sequences join and leave, is not worth a trace.
 
     Each trace is its own ``mx.compile`` of ``fn``; dropping one releases what MLX held
     for it. Positional array arguments only: anything else ``fn`` needs, bind first
@@ -33,7 +38,10 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP) -> C
     """
     if keep < 1:
         raise ValueError(f"compile_by_shape keeps at least one trace; got keep={keep}")
+    if after < 1:
+        raise ValueError(f"compile_by_shape traces at a shape's first call or later; got after={after}")
     traces: OrderedDict[tuple, Callable] = OrderedDict()
+    calls: OrderedDict[tuple, int] = OrderedDict()  # shapes not traced yet: their calls so far, `keep` kept
     latest: list = [None, None]  # the most recent call's key and trace: a decode step's layers repeat it
 
     @functools.wraps(fn)
@@ -44,6 +52,13 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP) -> C
         if key == latest[0]:
             return latest[1](*arrays)
         compiled = traces.pop(key, None)
+        if compiled is None and after > 1:
+            count = calls.pop(key, 0) + 1
+            if count < after:
+                calls[key] = count
+                if len(calls) > keep:
+                    calls.popitem(last=False)
+                return fn(*arrays)
         if compiled is None:
             # A fresh function object per trace: MLX keys its traces by the function's identity.
             compiled = mx.compile(functools.partial(fn))
@@ -56,6 +71,7 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP) -> C
     def clear() -> None:
         """Drop every trace (the next call of each shape traces anew)."""
         traces.clear()
+        calls.clear()
         latest[:] = None, None
 
     call.traces, call.clear = traces, clear

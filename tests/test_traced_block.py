@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from butter_core.model import Model
+from butter_core.models import traced
 from butter_core.testing.tiny_models import TinySpec
 
 PROMPT = mx.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=mx.uint32)
@@ -31,14 +32,16 @@ def test_a_traced_decode_step_equals_the_block_run_op_by_op(tiny_model, family, 
     model.network.set_dtype(getattr(mx, dtype))
     traced_caches, plain_caches = prefilled(model), prefilled(model)
     x = mx.random.normal((1, 1, model.network.args.hidden_size), key=mx.random.key(1)).astype(getattr(mx, dtype))
-    for step in range(4):  # the first call traces, the rest replay
+    steps = traced.AFTER + 2  # op by op until the AFTER-th call traces; the rest replay
+    for step in range(steps):
         for block, traced_cache, plain_cache in zip(model.network.layers, traced_caches, plain_caches):
             assert block.traced_decode(x, traced_cache) is not None
             got, want = block(x, traced_cache), op_by_op(block, x, plain_cache)
             assert got.dtype == want.dtype
             assert mx.allclose(got, want, atol=1e-6, rtol=1e-6).item(), (family, dtype, step)
             x = want
-    assert traced_caches[0].absolute_position == PROMPT.size + 4
+    assert traced_caches[0].absolute_position == PROMPT.size + steps
+    assert all(len(block.traced_decode(x, cache).before.traces) == 1 for block, cache in zip(model.network.layers, traced_caches))
 
 
 def test_a_weight_replaced_after_tracing_is_read(tiny_model, raw_scheme):
@@ -46,21 +49,24 @@ def test_a_weight_replaced_after_tracing_is_read(tiny_model, raw_scheme):
     block = model.network.layers[0]
     caches = prefilled(model)
     x = mx.random.normal((1, 1, model.network.args.hidden_size), key=mx.random.key(2))
-    traced = block.traced_decode(x, caches[0])
-    mx.eval(block(x, caches[0]))
-    assert block.traced_decode(x, caches[0]) is traced  # unchanged weights: the same traces
+    step = block.traced_decode(x, caches[0])
+    for _ in range(traced.AFTER):
+        mx.eval(block(x, caches[0]))
+    assert len(step.before.traces) == len(step.after.traces) == 1
+    assert block.traced_decode(x, caches[0]) is step  # unchanged weights: the same traces
     for replace in (
         lambda: setattr(block.mlp.down_proj, "weight", block.mlp.down_proj.weight * 2),
         lambda: block.self_attn.update({"k_proj": {"weight": mx.zeros_like(block.self_attn.k_proj.weight)}}),
         lambda: model.network.load_weights([("model.layers.0.input_layernorm.weight", block.input_layernorm.weight + 1)], strict=False),
     ):
         replace()
-        assert block.traced_decode(x, caches[0]) is not traced
+        assert block.traced_decode(x, caches[0]) is not step
         traced_cache, plain_cache = prefilled(model)[0], prefilled(model)[0]
-        for _ in range(2):
+        for _ in range(traced.AFTER + 1):  # past the call that traces the new weights
             got, want = block(x, traced_cache), op_by_op(block, x, plain_cache)
             assert mx.allclose(got, want, atol=1e-6, rtol=1e-6).item()
-        traced = block.traced_decode(x, caches[0])
+        step = block.traced_decode(x, caches[0])
+        assert len(step.before.traces) == 1
 
 
 def test_only_one_token_per_sequence_through_a_cache_is_traced(tiny_model, raw_scheme):

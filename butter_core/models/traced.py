@@ -5,8 +5,8 @@ a layer builds costs host time, and a Llama or Qwen3 block builds about a dozen 
 cache (the input norm, the projections, the per-head norms, RoPE, the output projection and
 its residual, the second norm, the feed-forward and its residual). ``TracedDecode`` builds
 the operations before the cache and those after it as one ``mx.compile`` replay each, traced
-once per input shape (``compile_by_shape``: one sequence's step, a batch of a given size; the
-``KEEP`` most recent kept).
+per input shape (``compile_by_shape``: one sequence's step, a batch of a given size) once the
+shape has come ``AFTER`` times, the ``KEEP`` most recent kept.
 
 The block's weights are constants of the traces, so a trace is used only while every weight
 it read is still the block's (``TracedDecode.current``): a weight replaced later
@@ -28,10 +28,15 @@ ENABLED = True
 """False: every block runs its decode step op by op (``bench/fused_projections.py --switch traced``
 compares the two step by step)."""
 
-KEEP = 8
+KEEP = 64
 """Traces kept per half, one per batch size: a batched engine's batch size moves as sequences join
 and leave, and tracing a block anew costs about half a millisecond of host time (a 28-layer
-model about 15 ms, docs/benchmarks.md), so a few recent sizes are kept."""
+model about 15 ms), while a kept trace holds no data of its own (its constants are the block's
+weights), so every size a batch usually takes is kept (docs/benchmarks.md)."""
+
+AFTER = 3
+"""A batch size is traced at its third step: one that lasts a step or two while sequences join and
+leave runs op by op rather than pay for a trace it would not use again."""
 
 
 class TracedDecode:
@@ -40,8 +45,8 @@ class TracedDecode:
     block's input in, the block's output out)."""
 
     def __init__(self, block: nn.Module):
-        self.before: Callable = compile_by_shape(block.before_cache, keep=KEEP)
-        self.after: Callable = compile_by_shape(block.after_cache, keep=KEEP)
+        self.before: Callable = compile_by_shape(block.before_cache, keep=KEEP, after=AFTER)
+        self.after: Callable = compile_by_shape(block.after_cache, keep=KEEP, after=AFTER)
         read = [(module, name, value) for _, module in block.named_modules() for name, value in module.items()
                 if isinstance(value, mx.array)]  # fmt: skip
         self._modules = tuple(module for module, _, _ in read)
