@@ -33,11 +33,13 @@ from butter_core.batch_generation import BatchGeneration
 from butter_core.cache import AttentionCache, LayerSpec
 from butter_core.engine import Engine
 from butter_core.generation import Generation
+from butter_core.models import traced
 from butter_core.window import WindowCache
 
-DECODE_STEPS = 3
+DECODE_STEPS = traced.AFTER
 """Tokens a warm-up generates after its prompt at the least: the first decode steps, which
-build what every later step replays (more where a cache's ``warm_up_steps`` asks)."""
+build what every later step replays, a block's traced step among them (``traced.AFTER``;
+more where a cache's ``warm_up_steps`` asks)."""
 FIRST_PROBE = 4096
 """The shortest probe length: shorter allocations share the warm-up prompt's kernels."""
 

@@ -10,6 +10,7 @@ import pytest
 from butter_core.model import Model
 from butter_core.models import traced
 from butter_core.testing.tiny_models import TinySpec
+from butter_core.warm_up import warm_up
 
 PROMPT = mx.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=mx.uint32)
 
@@ -76,3 +77,13 @@ def test_only_one_token_per_sequence_through_a_cache_is_traced(tiny_model, raw_s
     assert block.traced_decode(mx.zeros((1, 2, hidden)), cache) is None  # a prefill chunk
     assert block.traced_decode(mx.zeros((1, 1, hidden)), None) is None  # a recompute without caches
     assert block.traced_decode(mx.zeros((3, 1, hidden)), cache) is not None  # a batch's decode step
+
+
+def test_a_warm_up_leaves_one_sequence_s_step_traced(tiny_model, raw_scheme):
+    model = Model.load(str(tiny_model(TinySpec())))
+    warm_up(model.engine, 64)
+    hidden = model.network.args.hidden_size
+    for block in model.network.layers:
+        step = block.traced_decode(mx.zeros((1, 1, hidden)), model.engine.make_layer_caches()[0])
+        assert [shapes[0] for shapes in step.before.traces] == [(1, 1, hidden)]
+        assert len(step.after.traces) == 1
