@@ -186,6 +186,11 @@ class BatchGeneration:
         """Sequences admitted (holding pages), prefilling or decoding."""
         return len(self._running)
 
+    @property
+    def decoding(self) -> int:
+        """Running sequences past their prompts: the next step's decode batch."""
+        return sum(1 for request in self._running.values() if request.pending is not None)
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         while self.active:
             yield from self.step()

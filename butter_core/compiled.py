@@ -62,6 +62,7 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP, afte
         if compiled is None:
             # A fresh function object per trace: MLX keys its traces by the function's identity.
             compiled = mx.compile(functools.partial(fn))
+            call.made += 1
             if len(traces) >= keep:
                 traces.popitem(last=False)
         traces[key] = compiled
@@ -75,5 +76,7 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP, afte
         latest[:] = None, None
 
     call.traces, call.clear = traces, clear
+    call.made = 0
+    """Traces made so far, those dropped included: shapes that churn show as many more than kept."""
     return call
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from butter_core import ConfigError, LoadOptions, Window
-from butter_core.batch_generation import Token, gathered, sample_rows
+from butter_core.batch_generation import BatchGeneration, Token, gathered, sample_rows
 from butter_core.batched import OutOfPagesError, StaleSequenceError
 from butter_core.cache import ATTENTION
 from butter_core.engine import ContextLengthError
@@ -379,3 +379,19 @@ def test_a_reservation_is_taken_as_the_sequence_grows_and_promised_pages_are_not
     assert batch.running == 1 and second not in batch.finish_reasons
     list(batch)
     assert caches.free_pages == caches.num_pages and batch.promised_pages == 0
+
+
+def test_decoding_counts_the_sequences_past_their_prompts(model_dir):
+    """The next step's decode batch: a sequence joins it once its prompt is read whole, and leaves
+    it once its last token is sampled."""
+    model = example_model(str(model_dir), "raw")
+    batch = BatchGeneration(model.engine, model.engine.make_batched_caches(capacity_tokens=128, page_size=8),
+                            prefill_chunk=4)  # fmt: skip
+    batch.add([5, 6, 7], max_tokens=6, stop_ids=())  # its prompt in one chunk
+    batch.add(list(range(5, 15)), max_tokens=2, stop_ids=())  # in three
+    assert batch.decoding == 0
+    seen = []
+    while batch.active:
+        batch.step()
+        seen.append(batch.decoding)
+    assert seen[:5] == [1, 1, 1, 2, 1] and seen[-1] == 0

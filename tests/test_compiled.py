@@ -45,7 +45,7 @@ def test_only_the_most_recently_used_traces_are_kept():
     assert list(key[0] for key in f.traces) == [(1, 3), (3, 3)]
     f(mx.zeros((2, 3)), mx.zeros((2, 3)))  # dropped: traced again
     assert traced == [(1, 3), (2, 3), (3, 3), (2, 3)]
-    assert len(f.traces) == 2
+    assert len(f.traces) == 2 and f.made == 4
 
 
 def test_a_shape_is_traced_at_its_after_th_call():
@@ -55,7 +55,7 @@ def test_a_shape_is_traced_at_its_after_th_call():
         out, total = f(a, b)  # the same results traced or not
         assert mx.array_equal(out, a * 2 + b).item() and total.item() == 15
         assert len(traced) == call + 1 if call < 3 else len(traced) == 3  # run as it is twice, then traced once
-    assert list(f.traces) == [((2, 3), (2, 3))]
+    assert list(f.traces) == [((2, 3), (2, 3))] and f.made == 1
 
 
 def test_untraced_shapes_calls_are_counted_for_the_most_recent_only():
