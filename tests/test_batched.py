@@ -381,6 +381,7 @@ def test_a_reservation_is_taken_as_the_sequence_grows_and_promised_pages_are_not
     assert caches.free_pages == caches.num_pages and batch.promised_pages == 0
 
 
+@pytest.mark.usefixtures("raw_scheme")
 def test_decoding_counts_the_sequences_past_their_prompts(model_dir):
     """The next step's decode batch: a sequence joins it once its prompt is read whole, and leaves
     it once its last token is sampled."""
