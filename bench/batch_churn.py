@@ -76,9 +76,9 @@ def main() -> None:
     for policy in args.policies.split(","):
         traced.KEEP, traced.AFTER = (int(n) for n in policy.split(":"))
         for block in network.layers:
-            block.__dict__.pop("_traced", None)  # each policy traces from nothing
+            block.drop_traced_step()  # each policy traces from nothing
         result = run(network, parse_kv_cache(args.kv_cache), plan, vocab)
-        made = sum(step.before.made + step.after.made for step in (block.__dict__.get("_traced") for block in network.layers)
+        made = sum(step.before.made + step.after.made for step in (block.traced_step for block in network.layers)
                    if step is not None)  # fmt: skip
         sizes = Counter(size for size in result["sizes"] if size)
         short = sum(1 for count in sizes.values() if count < traced.AFTER)

@@ -219,7 +219,7 @@ def time_attention(length: int) -> list[dict]:
     add("raw bf16, MLX SDPA", us, raw, build_us)
     us, build_us = amortised(chained(q, lambda x, kv: sdpa(x, *kv, scale=scale), pairs))
     add("raw bf16, MLX SDPA chained", us, raw, build_us)
-    del pairs
+    pairs = None  # freed before the next path (a closure above reads the name, so not del)
     gc.collect()
 
     for name, (bits, group) in SCHEMES.items():
@@ -258,7 +258,7 @@ def time_attention(length: int) -> list[dict]:
                 add(path, us, moved, build_us)
             except Exception:  # e.g. a kernel that fails to compile: time the other paths
                 print(f"  {length:>7} {path:28s} FAILED\n{traceback.format_exc(limit=4)}", flush=True)
-        del sets
+        sets = None  # freed (not del: closures above read the name)
         gc.collect()
     return rows
 
@@ -307,7 +307,7 @@ def time_append(length: int) -> list[dict]:
         us = amortised(chain).us
         out.append({"context": length, "cache": label, "append_us": us})
         print(f"  {length:>7} {label:8s} one-token append {us:7.1f} µs", flush=True)
-        del cache
+        cache = None  # freed (not del: the closure above reads the name)
         gc.collect()
     return out
 
@@ -381,7 +381,7 @@ def sweep(length: int = 131072) -> list[dict]:
             rows.append({"kernel": kernel, "scheme": scheme, "override": label, "us": timed["median_us"],
                          "vs_defaults": timed.get("median_ratio", 1.0)})
             print(f"  sweep {rows[-1]}", flush=True)
-        del sets
+        sets = None  # freed (not del: closures above read the name)
         gc.collect()
     return rows
 

@@ -110,7 +110,7 @@ def attention_section(args, rows):
             us = amortised_us(lambda: quantized_matmul_attention(q, kq, vq, scale, bits=bits, group_size=64), args.calls)
             nbytes = sum(x.nbytes for x in (*kq, *vq)) + q.nbytes
             rows.append(row(f"mx.quantized_matmul {bits}-bit g64", context, us, nbytes, raw_us, args))
-        del k, v
+        k = v = None  # freed (not del: a lambda above reads the names)
         for name in args.kv_cache:
             try:
                 kind = host.parse_kv_cache(name)
@@ -121,7 +121,7 @@ def attention_section(args, rows):
                 cache = filled_cache(kind, context, key)
                 us = amortised_us(lambda: cache.attention(q, scale=scale, mask=None), args.calls)
                 rows.append(row(f"butter {name}", context, us, cache.nbytes_live + q.nbytes, raw_us, args))
-                del cache
+                cache = None  # freed (not del: the lambda above reads the name)
             except Exception:  # noqa: BLE001
                 print(f"FAILED attention {name} @ {context}:\n{traceback.format_exc()}")
 

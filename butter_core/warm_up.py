@@ -36,10 +36,14 @@ from butter_core.generation import Generation
 from butter_core.models import traced
 from butter_core.window import WindowCache
 
-DECODE_STEPS = traced.AFTER
-"""Tokens a warm-up generates after its prompt at the least: the first decode steps, which
-build what every later step replays, a block's traced step among them (``traced.AFTER``;
-more where a cache's ``warm_up_steps`` asks)."""
+
+def decode_steps() -> int:
+    """Tokens a warm-up generates after its prompt at the least: the first decode steps, which
+    build what every later step replays, a block's traced step among them (``traced.AFTER`` as
+    it stands when the warm-up runs; more where a cache's ``warm_up_steps`` asks)."""
+    return traced.AFTER
+
+
 FIRST_PROBE = 4096
 """The shortest probe length: shorter allocations share the warm-up prompt's kernels."""
 
@@ -72,7 +76,7 @@ def warm_up(engine: Engine, context: int | None = None) -> WarmUp:
     start = time.perf_counter()
     context = engine.max_context if context is None else min(context, engine.max_context)
     caches = engine.make_layer_caches()
-    steps = max(DECODE_STEPS, *(cache.warm_up_steps for cache in caches))
+    steps = max(decode_steps(), *(cache.warm_up_steps for cache in caches))
     prompt = _prompt_tokens(engine, context, steps)
     for _ in Generation(engine, _token_ids(engine, prompt), caches, max_tokens=steps):
         pass
@@ -87,13 +91,14 @@ def warm_up_batched(engine: Engine, *, page_size: int = PAGE_SIZE) -> float:
     batched caches made for it and dropped after: two sequences, one prompt of a full chunk
     and one short, prefilled together and decoded together. Returns the seconds it took."""
     start = time.perf_counter()
-    long_prompt = _prompt_tokens(engine, engine.max_context, DECODE_STEPS)
+    steps = decode_steps()
+    long_prompt = _prompt_tokens(engine, engine.max_context, steps)
     short_prompt = max(1, min(page_size + 3, long_prompt // 2))
-    pages = sum(-(-(n + DECODE_STEPS) // page_size) for n in (long_prompt, short_prompt))
+    pages = sum(-(-(n + steps) // page_size) for n in (long_prompt, short_prompt))
     caches = engine.make_batched_caches(pages * page_size, page_size=page_size, max_sequences=2)
     batch = BatchGeneration(engine, caches)
     for length in (long_prompt, short_prompt):
-        batch.add(_token_ids(engine, length), max_tokens=DECODE_STEPS)
+        batch.add(_token_ids(engine, length), max_tokens=steps)
     for _ in batch:
         pass
     del batch, caches

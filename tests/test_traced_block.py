@@ -79,7 +79,9 @@ def test_only_one_token_per_sequence_through_a_cache_is_traced(tiny_model, raw_s
     assert block.traced_decode(mx.zeros((3, 1, hidden)), cache) is not None  # a batch's decode step
 
 
-def test_a_warm_up_leaves_one_sequence_s_step_traced(tiny_model, raw_scheme):
+@pytest.mark.parametrize("after", [traced.AFTER, 5])
+def test_a_warm_up_leaves_one_sequence_s_step_traced(tiny_model, raw_scheme, monkeypatch, after):
+    monkeypatch.setattr(traced, "AFTER", after)  # a policy set after import is the one warmed up
     model = Model.load(str(tiny_model(TinySpec())))
     warm_up(model.engine, 64)
     hidden = model.network.args.hidden_size
@@ -87,3 +89,15 @@ def test_a_warm_up_leaves_one_sequence_s_step_traced(tiny_model, raw_scheme):
         step = block.traced_decode(mx.zeros((1, 1, hidden)), model.engine.make_layer_caches()[0])
         assert [shapes[0] for shapes in step.before.traces] == [(1, 1, hidden)]
         assert len(step.after.traces) == 1
+
+
+def test_a_dropped_traced_step_is_made_anew(tiny_model, raw_scheme):
+    model = Model.load(str(tiny_model(TinySpec())))
+    block, cache = model.network.layers[0], prefilled(model)[0]
+    x = mx.zeros((1, 1, model.network.args.hidden_size))
+    assert block.traced_step is None
+    step = block.traced_decode(x, cache)
+    assert block.traced_step is step
+    block.drop_traced_step()
+    assert block.traced_step is None
+    assert block.traced_decode(x, cache) is not step

@@ -387,12 +387,21 @@ class Block(nn.Module):
             return None
         if type(self.self_attn).__call__ is not Attention.__call__ or type(self.mlp).__call__ is not MLP.__call__:
             return None
-        step = self.__dict__.get("_traced")
+        step = self.traced_step
         if step is None or not step.current():
             step = traced.TracedDecode(self)
             # Kept out of the module's parameters, as ``fused.fuse_projections`` keeps its fusions.
             object.__setattr__(self, "_traced", step)
         return step
+
+    @property
+    def traced_step(self) -> traced.TracedDecode | None:
+        """The traced halves ``traced_decode`` made last (their traces and counts), None before then."""
+        return self.__dict__.get("_traced")
+
+    def drop_traced_step(self) -> None:
+        """Forget the traced halves: the next decode step makes them anew, its shapes counted from nothing."""
+        self.__dict__.pop("_traced", None)
 
 
 class Backbone(nn.Module):
