@@ -31,7 +31,7 @@ import numpy as np
 
 from butter_core import LoadOptions, parse_kv_cache
 from butter_core.batch_generation import BatchGeneration
-from butter_core.batched import PAGE_SIZE
+from butter_core.batched import capacity_for
 from butter_core.engine import Engine
 from butter_core.model import Model
 from butter_core.models import traced
@@ -41,8 +41,8 @@ def run(network, kind, plan, vocab: int) -> dict:
     """The plan's requests through one ``BatchGeneration``: per step the decode batch's size and the
     step's wall time."""
     engine = Engine(network, LoadOptions(kv_cache=kind))
-    pages = sum(-(-(prompt + tokens) // PAGE_SIZE) for _, prompt, tokens in plan)
-    caches = engine.make_batched_caches(capacity_tokens=pages * PAGE_SIZE, page_size=PAGE_SIZE, max_sequences=len(plan))
+    capacity = capacity_for([prompt + tokens for _, prompt, tokens in plan])
+    caches = engine.make_batched_caches(capacity_tokens=capacity, max_sequences=len(plan))
     generation = BatchGeneration(engine, caches)
     waiting, rng = sorted(plan), np.random.default_rng(1)
     sizes, times, step = [], [], 0

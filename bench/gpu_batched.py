@@ -62,7 +62,7 @@ from mlx.utils import tree_flatten
 
 from butter_core import LoadOptions, parse_kv_cache
 from butter_core.batch_generation import BatchGeneration
-from butter_core.batched import PAGE_SIZE
+from butter_core.batched import PAGE_SIZE, capacity_for
 from butter_core.benchmark import decode_budget, decode_together
 from butter_core.engine import Engine
 from butter_core.models.fused import fuse_projections
@@ -97,8 +97,8 @@ def run_butter(network, kind, prompts: mx.array, decode: int, page_size: int, pr
     engine = Engine(network, LoadOptions(kv_cache=kind))
     batch, context = prompts.shape
     chunk = min(PREFILL_SEQUENCES * context, prefill)
-    pages = -(-(context + decode_budget([context] * batch, chunk, decode) + split + profile) // page_size)
-    caches = engine.make_batched_caches(capacity_tokens=spare * batch * pages * page_size, page_size=page_size,
+    positions = context + decode_budget([context] * batch, chunk, decode) + split + profile
+    caches = engine.make_batched_caches(capacity_tokens=spare * capacity_for([positions] * batch, page_size), page_size=page_size,
                                         max_sequences=batch)  # fmt: skip
     generation = BatchGeneration(engine, caches, prefill_chunk=chunk)
     mx.synchronize()

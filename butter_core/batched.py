@@ -371,6 +371,12 @@ class BatchedCaches:
                 for index, spec in enumerate(self.specs)]  # fmt: skip
 
 
+def capacity_for(positions: Sequence[int], page_size: int = PAGE_SIZE) -> int:
+    """The ``capacity_tokens`` (whole pages) that hold sequences of ``positions`` positions each, one
+    page table per sequence: what ``make_batched_caches`` takes to fit exactly those sequences."""
+    return sum(-(-n // page_size) for n in positions) * page_size
+
+
 def page_slots(table: mx.array, page_size: int, length: int) -> mx.array:
     """The slots of each sequence's first ``length`` positions ``[sequences, length]``, from its page
     table ``[sequences, pages]``: position ``p`` in slot ``table[b, p // page_size] * page_size + p %

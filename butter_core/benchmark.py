@@ -33,7 +33,7 @@ import attrs
 import mlx.core as mx
 
 from butter_core import parse_kv_cache
-from butter_core.batched import PAGE_SIZE
+from butter_core.batched import PAGE_SIZE, capacity_for
 from butter_core.cache import LayerSpec
 from butter_core.config import DEFAULT_KV_CACHE, CacheKind
 from butter_core.cpu_blas import LOADED_BLAS
@@ -323,7 +323,7 @@ def generate_batch_once(engine: Engine, prompts: Sequence[Sequence[int]], decode
     from butter_core.batch_generation import BatchGeneration
 
     page, budget = PAGE_SIZE, decode_budget([len(p) for p in prompts], engine.prefill_chunk, decode_tokens)
-    capacity = sum(-(-(len(p) + budget) // page) * page for p in prompts)
+    capacity = capacity_for([len(p) + budget for p in prompts], page)
     caches = engine.make_batched_caches(capacity_tokens=capacity, page_size=page, max_sequences=len(prompts))
     mx.reset_peak_memory()
     most = {"live": 0, "positions": 0}

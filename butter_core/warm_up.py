@@ -28,7 +28,7 @@ import time
 import attrs
 import mlx.core as mx
 
-from butter_core.batched import PAGE_SIZE
+from butter_core.batched import PAGE_SIZE, capacity_for
 from butter_core.batch_generation import BatchGeneration
 from butter_core.cache import AttentionCache, LayerSpec
 from butter_core.engine import Engine
@@ -94,8 +94,8 @@ def warm_up_batched(engine: Engine, *, page_size: int = PAGE_SIZE) -> float:
     steps = decode_steps()
     long_prompt = _prompt_tokens(engine, engine.max_context, steps)
     short_prompt = max(1, min(page_size + 3, long_prompt // 2))
-    pages = sum(-(-(n + steps) // page_size) for n in (long_prompt, short_prompt))
-    caches = engine.make_batched_caches(pages * page_size, page_size=page_size, max_sequences=2)
+    capacity = capacity_for([long_prompt + steps, short_prompt + steps], page_size)
+    caches = engine.make_batched_caches(capacity, page_size=page_size, max_sequences=2)
     batch = BatchGeneration(engine, caches)
     for length in (long_prompt, short_prompt):
         batch.add(_token_ids(engine, length), max_tokens=steps)

@@ -6,13 +6,13 @@ import functools
 
 import mlx.core as mx
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from butter_core import ConfigError, LoadOptions, Window
 from butter_core.batch_generation import BatchGeneration, Token, gathered, sample_rows
-from butter_core.batched import OutOfPagesError, StaleSequenceError
+from butter_core.batched import OutOfPagesError, StaleSequenceError, capacity_for
 from butter_core.cache import ATTENTION
 from butter_core.engine import ContextLengthError
 from butter_core.model import Model
@@ -210,8 +210,8 @@ def test_a_sequence_waits_for_pages_and_a_stop_id_ends_it(model_dir):
     model = example_model(str(model_dir), "raw")
     prompts = [model.encode_prompt(text) for text in PROMPTS[:3]]
     expected = [_single(model, p, 10) for p in prompts]
-    pages = sorted(-(-(len(p) + 10) // 8) for p in prompts)
-    caches = model.engine.make_batched_caches(capacity_tokens=8 * (pages[-1] + pages[-2]), page_size=8)  # two at a time
+    two_longest = sorted(len(p) + 10 for p in prompts)[-2:]
+    caches = model.engine.make_batched_caches(capacity_tokens=capacity_for(two_longest, 8), page_size=8)  # two at a time
     batch = model.generate_batch(caches)
     ids = [batch.add(p, max_tokens=10, stop_ids=()) for p in prompts]
     stop = expected[2][4]
@@ -263,6 +263,22 @@ def test_batched_storage_bytes(model_dir):
     assert caches.free_pages == 5
     mx.eval(model.engine.run_batched(mx.arange(21, dtype=mx.uint32)[None], caches, [handle]))
     assert caches.nbytes_live == 21 * per_position
+
+
+@pytest.mark.usefixtures("raw_scheme")
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), page_size=st.sampled_from([1, 8, 16]))
+def test_capacity_for_holds_exactly_its_sequences(model_dir, lengths, page_size):
+    """Caches made with ``capacity_for(lengths)`` give each sequence its positions and leave no page
+    free; one more position than that is refused."""
+    model = example_model(str(model_dir), "raw")
+    caches = model.engine.make_batched_caches(capacity_for(lengths, page_size), page_size=page_size)
+    handles = [caches.open() for _ in lengths]
+    for handle, n in zip(handles, lengths):
+        caches.reserve(handle, n)
+    assert caches.free_pages == 0
+    with pytest.raises(OutOfPagesError):
+        caches.reserve(handles[0], -(-lengths[0] // page_size) * page_size + 1)
 
 
 def test_sequence_state_bytes_are_counted_per_open_sequence(model_dir):
