@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from butter_core import LoadOptions, parse_kv_cache
 from butter_core.batch_generation import BatchGeneration
-from butter_core.batched import PAGE_SIZE
+from butter_core.batched import capacity_for
 from butter_core.engine import Engine
 from butter_core.model import Model
 from butter_core.models import traced
@@ -85,9 +85,7 @@ def alternate(steps: int, switch, step) -> dict[bool, list[tuple[float, float]]]
 
 def batched(network, kind, batch: int, context: int, steps: int, vocab: int, switch):
     engine = Engine(network, LoadOptions(kv_cache=kind))
-    pages = -(-(context + 2 * steps + 64) // PAGE_SIZE)
-    caches = engine.make_batched_caches(capacity_tokens=batch * pages * PAGE_SIZE, page_size=PAGE_SIZE,
-                                        max_sequences=batch)  # fmt: skip
+    caches = engine.make_batched_caches(capacity_for([context + 2 * steps + 64] * batch), max_sequences=batch)
     generation = BatchGeneration(engine, caches, prefill_chunk=min(8 * context, 16384))
     prompts = mx.random.randint(0, vocab, (batch, context), key=mx.random.key(batch)).astype(mx.uint32)
     for prompt in prompts:
