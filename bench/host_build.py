@@ -32,9 +32,11 @@ import argparse
 import cProfile
 import functools
 import pstats
+import re
 import statistics
 import tempfile
 import time
+from collections import Counter
 
 import butter_core  # noqa: F401 - before mlx.core
 import mlx.core as mx
@@ -67,13 +69,19 @@ def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return zeros
 
 
-def graph_nodes(outputs: list[mx.array]) -> int:
-    """How many operations evaluating ``outputs`` runs (their graph down to evaluated arrays,
-    as ``mx.export_to_dot`` draws it), a stand-in kernel counting one: each is a node MLX
-    builds (or a trace replays) on the host and encodes at evaluation."""
+def node_kinds(outputs: list[mx.array]) -> Counter:
+    """The operations evaluating ``outputs`` runs (their graph down to evaluated arrays, as
+    ``mx.export_to_dot`` draws it), counted by kind, a stand-in kernel counting one ``Depends``:
+    each is a node MLX builds (or a trace replays) on the host and encodes at evaluation."""
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
         mx.export_to_dot(dot.name, *outputs)
-        return dot.read().count("shape=rectangle")
+        text = dot.read()
+    return Counter(label.split()[0] for label in re.findall(r'label\s*=\s*"([^"]*)"[^\]]*shape=rectangle', text))
+
+
+def graph_nodes(outputs: list[mx.array]) -> int:
+    """How many operations evaluating ``outputs`` runs (``node_kinds``, all kinds)."""
+    return sum(node_kinds(outputs).values())
 
 
 def floor_step(layers: int, context: int, steps: int):

@@ -6,7 +6,7 @@ and batch size (``--batch``: 1 is one sequence through ``Engine.forward``, more 
 ``Engine.run_batched`` over paged storage, the graph a ``BatchGeneration`` decode step evaluates
 before sampling), one decode step of a ``--layers``-layer Qwen3-1.7B-shaped model is built with
 the blocks' traces (``butter_core.models.traced``) on and off, after enough steps that each way
-has traced what it will, and its graph is counted (``host_build.graph_nodes``): operations a
+has traced what it will, and its graph is counted (``host_build.node_kinds``): operations a
 step and a layer, and the most frequent kinds. The widths are small (the count does not depend
 on them) unless ``--full-width``.
 
@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
-import tempfile
 from collections import Counter
 
 import butter_core  # noqa: F401 - before mlx.core
@@ -35,20 +33,12 @@ from butter_core.kernels.backend import default_device_is_gpu, standing_in_for_g
 from butter_core.kernels.kernel import executed_by
 from butter_core.models import traced
 from gpu_bench import QWEN3_1_7B, random_qwen3
-from host_build import zeros_for_kernels
+from host_build import node_kinds, zeros_for_kernels
 
 CONTEXT = 100
 """Positions each sequence holds before the counted step (a page table of two pages of 64)."""
 NARROW = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096}
 """Widths small enough for a CPU; heads and head size stay Qwen3-1.7B's (the kernels' shapes)."""
-
-
-def node_kinds(outputs: list[mx.array]) -> Counter:
-    """Each operation kind in the graph of ``outputs`` (as ``mx.export_to_dot`` names it), counted."""
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
-        mx.export_to_dot(dot.name, *outputs)
-        text = dot.read()
-    return Counter(label.split()[0] for label in re.findall(r'label\s*=\s*"([^"]*)"[^\]]*shape=rectangle', text))
 
 
 def stepper(network, kind, batch: int):
