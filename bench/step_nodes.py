@@ -7,20 +7,24 @@ and batch size (``--batch``: 1 is one sequence through ``Engine.forward``, more 
 before sampling), one decode step of a ``--layers``-layer Qwen3-1.7B-shaped model is built with
 the blocks' traces (``butter_core.models.traced``) on and off, after enough steps that each way
 has traced what it will, and its graph is counted (``host_build.node_kinds``): operations a
-step and a layer, and the most frequent kinds. The widths are small (the count does not depend
-on them) unless ``--full-width``.
+step and a layer, and the most frequent kinds; then the host time to build the step, the
+median of ``--builds`` (each evaluated before the next is built). The widths are small (the
+count does not depend on them) unless ``--full-width``.
 
-Off a GPU the caches take their GPU paths with stand-in kernels (``host_build``), but MLX builds
-``mx.fast.rms_norm`` and ``mx.fast.rope`` from several operations on a CPU, so a CPU's counts are
-above a GPU's; on a GPU the kernels run and the graph is the one the host encodes there.
+Off a GPU the caches take their GPU paths with stand-in kernels, and ``mx.fast``'s RMSNorm, RoPE
+and attention stand in as one node each (``host_build``: each stand-in is a ``Depends`` node), so
+the count is the one a GPU's host encodes and the build time is this host's share of it; on a
+GPU the kernels run and the graph is the one the host encodes there.
 
-Usage: python3 bench/step_nodes.py [--kv-cache raw,aura4v2] [--batch 1 64] [--layers 28] [--kinds 12]
+Usage: python3 bench/step_nodes.py [--kv-cache raw,aura4v2] [--batch 1 64] [--layers 28] [--kinds 12] [--builds 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
+import time
 from collections import Counter
 
 import butter_core  # noqa: F401 - before mlx.core
@@ -33,7 +37,7 @@ from butter_core.kernels.backend import default_device_is_gpu, standing_in_for_g
 from butter_core.kernels.kernel import executed_by
 from butter_core.models import traced
 from gpu_bench import QWEN3_1_7B, random_qwen3
-from host_build import node_kinds, zeros_for_kernels
+from host_build import fast_ops_as_on_gpu, node_kinds, zeros_for_kernels
 
 CONTEXT = 100
 """Positions each sequence holds before the counted step (a page table of two pages of 64)."""
@@ -57,9 +61,10 @@ def stepper(network, kind, batch: int):
     return lambda: engine.run_batched(mx.zeros((batch, 1), dtype=mx.uint32), caches, handles)
 
 
-def count(step, on: bool) -> Counter:
+def count(step, on: bool, builds: int) -> tuple[Counter, float]:
     """The kinds of one step's graph with the blocks' traces ``on`` or off, after the steps it
-    takes that way to trace (``traced.AFTER``) and to build its kernels."""
+    takes that way to trace (``traced.AFTER``) and to build its kernels, and the median ms to
+    build a step of ``builds``."""
     traced.ENABLED = on
     try:
         for _ in range(traced.AFTER + 2):
@@ -67,7 +72,13 @@ def count(step, on: bool) -> Counter:
         out = step()
         kinds = node_kinds([out])
         mx.eval(out)
-        return kinds
+        times = []
+        for _ in range(builds):
+            start = time.perf_counter()
+            out = step()
+            times.append(time.perf_counter() - start)
+            mx.eval(out)
+        return kinds, 1e3 * statistics.median(times)
     finally:
         traced.ENABLED = True
 
@@ -79,6 +90,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=QWEN3_1_7B["num_hidden_layers"])
     parser.add_argument("--kinds", type=int, default=12, help="the most frequent operation kinds to print")
     parser.add_argument("--full-width", action="store_true", help="Qwen3-1.7B's own widths (a GPU's memory)")
+    parser.add_argument("--builds", type=int, default=20, help="steps whose build is timed")
     args = parser.parse_args()
     config = QWEN3_1_7B | {"num_hidden_layers": args.layers} | ({} if args.full_width else NARROW)
     on_gpu = default_device_is_gpu()
@@ -86,19 +98,20 @@ def main() -> None:
         if not on_gpu:
             stack.enter_context(standing_in_for_gpu())
             stack.enter_context(executed_by("cuda", zeros_for_kernels))
+            stack.enter_context(fast_ops_as_on_gpu())
         network = random_qwen3(config)
         print(f"MLX {mx.__version__}, {mx.device_info().get('device_name', '')}, "
-              f"{'GPU graph' if on_gpu else 'CPU graph, GPU paths with stand-in kernels'}; {args.layers} layers, "
-              f"{CONTEXT} positions a sequence; operations in one decode step's graph")  # fmt: skip
+              f"{'GPU graph' if on_gpu else 'CPU, GPU paths with stand-in kernels and mx.fast ops'}; {args.layers} layers, "
+              f"{CONTEXT} positions a sequence; operations in one decode step's graph, host ms to build it")  # fmt: skip
         for name in args.kv_cache.split(","):
             for batch in args.batch:
                 step = stepper(network, parse_kv_cache(name), batch)
                 for on in (True, False):
-                    kinds = count(step, on)
+                    kinds, ms = count(step, on, args.builds)
                     total = sum(kinds.values())
                     common = ", ".join(f"{k} {n}" for k, n in kinds.most_common(args.kinds))
                     print(f"{name:<9} B={batch:<3} {'traced' if on else 'op by op':<8} {total:6d} a step "
-                          f"{total / args.layers:6.1f} a layer | {common}", flush=True)  # fmt: skip
+                          f"{total / args.layers:6.1f} a layer {ms:6.2f} ms | {common}", flush=True)  # fmt: skip
                 mx.clear_cache()
 
 

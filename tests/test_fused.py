@@ -3,6 +3,8 @@ the same outputs, the same parameters, one copy of the weights, never a stale fu
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -11,7 +13,7 @@ from mlx.utils import tree_flatten
 from butter_core.loading.weights import WeightOptions, load_network
 from butter_core.model import Model
 from butter_core.models.base import MLP, Attention, swiglu
-from butter_core.models.fused import FusedLinear, fuse_projections, fused, plus
+from butter_core.models.fused import FusedLinear, fuse_projections, fused, held_transpose, plus
 from butter_core.testing.tiny_models import TinySpec
 
 
@@ -99,3 +101,20 @@ def test_plus_adds_the_projection_to_the_residual(kind):
         x, residual = mx.random.normal((*rows, 64)), mx.random.normal((*rows, 32))
         assert mx.allclose(plus(holder.linear, x, residual), residual + holder.linear(x), atol=1e-5)
         assert mx.array_equal(plus(holder.linear, x, None), holder.linear(x))
+
+
+def test_a_held_transpose_follows_its_weight_and_leaves_the_product_alone_in_the_graph(tmp_path):
+    holder = nn.Module()
+    holder.linear = nn.Linear(64, 32, bias=False)
+    rows = mx.random.normal((4, 64))
+    mx.eval(rows, holder.parameters())
+    out = plus(holder.linear, rows)
+    mx.export_to_dot(str(tmp_path / "product.dot"), out)
+    kinds = re.findall(r'label\s*=\s*"([^"]*)"[^\]]*shape=rectangle', (tmp_path / "product.dot").read_text())
+    assert kinds == ["Matmul"]  # no Transpose of the weight: the product reads the held one
+    assert mx.array_equal(out, holder.linear(rows))
+    held = held_transpose(holder.linear)
+    assert held_transpose(holder.linear) is held
+    holder.update({"linear": {"weight": mx.ones_like(holder.linear.weight)}})  # as load_weights replaces it
+    assert held_transpose(holder.linear) is not held
+    assert mx.allclose(plus(holder.linear, rows), rows.sum(axis=1, keepdims=True) * mx.ones((1, 32)), atol=1e-5)  # the new weight

@@ -249,6 +249,25 @@ def attend_through(
     return cache.update_and_attend(q, k, v, scale=scale)
 
 
+def heads(rows: mx.array, batch: int, count: int) -> mx.array:
+    """Projected rows ``[batch * tokens, count * head_dim]`` as ``[batch, count, tokens, head_dim]``:
+    one reshape for one token a sequence (an axis of one entry moves freely), else a reshape and
+    a transpose."""
+    tokens = rows.shape[0] // batch
+    if tokens == 1:
+        return rows.reshape(batch, count, 1, -1)
+    return rows.reshape(batch, tokens, count, -1).transpose(0, 2, 1, 3)
+
+
+def rows_of(out: mx.array) -> mx.array:
+    """An attention's output ``[batch, heads, tokens, head_dim]`` as rows ``[batch * tokens, heads *
+    head_dim]`` (``heads`` undone)."""
+    batch, _, tokens, _ = out.shape
+    if tokens == 1:
+        return out.reshape(batch, -1)
+    return out.transpose(0, 2, 1, 3).reshape(batch * tokens, -1)
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA whose K/V history lives in an ``AttentionCache``.
 
@@ -272,19 +291,20 @@ class Attention(nn.Module):
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values as ``[batch, heads, tokens, head_dim]``, before RoPE."""
         batch, tokens, _ = x.shape
+        rows = x.reshape(batch * tokens, -1)  # a matmul of rows needs no Flatten and Unflatten around it
         fusion = fused(self) if batch * tokens == 1 else None
-        q, k, v = fusion(x) if fusion is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = q.reshape(batch, tokens, self.n_heads, self.head_dim)
-        k = k.reshape(batch, tokens, self.n_kv_heads, self.head_dim)
-        v = v.reshape(batch, tokens, self.n_kv_heads, self.head_dim)
-        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        q, k, v = fusion(rows) if fusion is not None else (plus(self.q_proj, rows), plus(self.k_proj, rows),
+                                                           plus(self.v_proj, rows))  # fmt: skip
+        return heads(q, batch, self.n_heads), heads(k, batch, self.n_kv_heads), heads(v, batch, self.n_kv_heads)
 
     def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal",
                  residual: mx.array | None = None) -> mx.array:  # fmt: skip
         """Attend ``x``'s tokens: through ``cache`` if given, else over ``x`` alone under ``mask``; added
         to ``residual`` where given (in the output projection's matmul)."""
+        batch, tokens, _ = x.shape
         q, k, v = self.queries_keys_values(x, 0 if cache is None else cache.absolute_position)
-        return self.output(attend_through(cache, q, k, v, scale=self.scale, mask=mask), residual)
+        out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
+        return self.output(out, None if residual is None else residual.reshape(batch * tokens, -1)).reshape(x.shape)
 
     def queries_keys_values(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """What this attention hands its cache for ``x``: queries and keys RoPE'd at ``offset``, values."""
@@ -292,9 +312,9 @@ class Attention(nn.Module):
         return self.rope(q, offset), self.rope(k, offset), v
 
     def output(self, out: mx.array, residual: mx.array | None) -> mx.array:
-        """The attention's output ``[batch, heads, tokens, head_dim]`` projected, added to ``residual`` where given."""
-        batch, _, tokens, _ = out.shape
-        return plus(self.o_proj, out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1), residual)
+        """The attention's output ``[batch, heads, tokens, head_dim]`` projected as rows ``[batch *
+        tokens, hidden]``, added to ``residual`` (rows too) where given."""
+        return plus(self.o_proj, rows_of(out), residual)
 
 
 class GroupedAttention(nn.Module):
@@ -313,14 +333,15 @@ class GroupedAttention(nn.Module):
 
     def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
         batch, tokens, _ = x.shape
-        q = self.q_proj(x).reshape(batch, tokens, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(batch, tokens, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        rows = x.reshape(batch * tokens, -1)
+        q = heads(plus(self.q_proj, rows), batch, self.n_heads)
+        k = heads(plus(self.k_proj, rows), batch, self.n_kv_heads)
+        v = heads(plus(self.v_proj, rows), batch, self.n_kv_heads)
         if self.rope is not None:
             offset = 0 if cache is None else cache.absolute_position
             q, k = self.rope(q, offset), self.rope(k, offset)
         out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
+        return plus(self.o_proj, rows_of(out)).reshape(batch, tokens, -1)
 
 
 @partial(mx.compile, shapeless=True)
@@ -371,8 +392,9 @@ class Block(nn.Module):
         return self.self_attn.queries_keys_values(self.input_layernorm(x), offset)
 
     def after_cache(self, out: mx.array, x: mx.array) -> mx.array:
-        """The block's work after its cache: the attention's output added to ``x``, then ``feed_forward``."""
-        return self.feed_forward(self.self_attn.output(out, x))
+        """The block's work after its cache: the attention's output added to ``x``, then
+        ``feed_forward``, over rows (a matmul of rows needs no Flatten, Unflatten or Broadcast)."""
+        return self.feed_forward(self.self_attn.output(out, x.reshape(-1, x.shape[-1]))).reshape(x.shape)
 
     def feed_forward(self, h: mx.array) -> mx.array:
         """``h`` plus the feed-forward of its norm."""
@@ -515,7 +537,7 @@ class LanguageModel(LayerStack):
         """Project hidden states onto the vocabulary (the tied embedding where the config says so)."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+        return plus(self.lm_head, hidden)
 
 class DecoderModel(LanguageModel):
     """A Llama-shaped decoder: every layer attention, optionally a sliding window on some."""

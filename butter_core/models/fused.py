@@ -1,7 +1,9 @@
-"""Fewer operations a layer: projections that read the same input computed by one matmul, and
-a projection added to the residual stream in the matmul's own epilogue (over several rows). A
-decode step's host time is paid per operation (docs/benchmarks.md, issue 32): q/k/v and gate/up
-are three and two, and each block adds two projections to its residual.
+"""Fewer operations a layer: projections that read the same input computed by one matmul, a
+projection added to the residual stream in the matmul's own epilogue (over several rows), and
+weights multiplied through a transpose held since they were loaded. A decode step's host time
+is paid per operation (docs/benchmarks.md, issue 32): q/k/v and gate/up are three and two, each
+block adds two projections to its residual, and ``x @ weight.T`` is two operations (a
+``Transpose`` and the product) every time a graph is built or a trace replayed.
 
 ``FusedLinear.of(linears)`` concatenates the weights (and biases) of plain ``nn.Linear``
 layers along their outputs into one array and makes each layer's own weight a view of it,
@@ -35,7 +37,8 @@ class FusedLinear:
             ends.append(ends[-1] + linear.weight.shape[0])
         self.splits = ends[1:-1]
         """Where each layer's outputs end, the last excepted (``mx.split``'s indices)."""
-        mx.eval(self.weight, self.bias)
+        self.transposed = self.weight.T
+        mx.eval(self.weight, self.bias, self.transposed)
         self.views = []
         for linear, start, end in zip(linears, ends, ends[1:]):
             linear.weight = self.weight[start:end]
@@ -64,13 +67,7 @@ class FusedLinear:
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         """Each layer's output of ``x``, from one matmul (views of its columns)."""
-        if self.bias is None:
-            out = x @ self.weight.T
-        elif one_row(x):
-            out = x @ self.weight.T + self.bias
-        else:
-            out = mx.addmm(self.bias, x, self.weight.T)
-        return mx.split(out, self.splits, axis=-1)
+        return mx.split(product(x, self.transposed, self.bias), self.splits, axis=-1)
 
 
 def one_row(x: mx.array) -> bool:
@@ -80,15 +77,38 @@ def one_row(x: mx.array) -> bool:
     return x.size == x.shape[-1]
 
 
-def plus(linear: nn.Module, x: mx.array, residual: mx.array | None) -> mx.array:
-    """``residual + linear(x)`` (``linear(x)`` for None): one operation (``mx.addmm``) for a plain
-    ``nn.Linear`` over several rows (``one_row``: a single row keeps the product and the sum apart)."""
-    if residual is None:
-        return linear(x)
-    if type(linear) is not nn.Linear or one_row(x):
-        return residual + linear(x)
+def product(x: mx.array, transposed: mx.array, add: mx.array | None) -> mx.array:
+    """``x @ transposed + add`` (no sum for None) as few operations as the backend runs well: one
+    (``mx.addmm``) over several rows, two for a single row (``one_row``)."""
+    if add is None:
+        return x @ transposed
+    if one_row(x):
+        return x @ transposed + add
+    return mx.addmm(add, x, transposed)
+
+
+def held_transpose(linear: nn.Linear) -> mx.array:
+    """``linear.weight.T``, evaluated when first asked for and held until the weight is replaced:
+    a view of the weight (no copy) that a graph reads as an input, with no ``Transpose`` of its own."""
+    held = linear.__dict__.get("_held_transpose")
+    if held is None or held[0] is not linear.weight:
+        transposed = linear.weight.T
+        mx.eval(transposed)
+        held = (linear.weight, transposed)
+        # Kept out of the module's parameters, as ``fuse_projections`` keeps its fusions.
+        object.__setattr__(linear, "_held_transpose", held)
+    return held[1]
+
+
+def plus(linear: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
+    """``residual + linear(x)`` (``linear(x)`` for None); for a plain ``nn.Linear``, through its
+    ``held_transpose``, and over several rows its bias and ``residual`` added in the matmul
+    (``product``)."""
+    if type(linear) is not nn.Linear:
+        return linear(x) if residual is None else residual + linear(x)
     bias = linear.get("bias")
-    return mx.addmm(residual if bias is None else residual + bias, x, linear.weight.T)
+    add = bias if residual is None else residual if bias is None else residual + bias
+    return product(x, held_transpose(linear), add)
 
 
 def fused(owner: nn.Module) -> FusedLinear | None:
