@@ -33,12 +33,21 @@ def assert_close(a, b, tol=1e-4):
     ids=["fp32", "bf16-stored", "tied", "q4"],
 )
 def test_raw_cache_greedy_equals_full_recompute(tiny_model, family, variant):
+    """The cache's tokens are the recompute's. A bf16 model's (a GPU keeps a bf16 checkpoint in
+    bf16; a CPU computes in float32) may part at a near-tie: its cached decode and its recompute
+    are different kernels there, each rounding to bf16 (2**-8 relative) layer after layer, so
+    the recompute's two candidates must lie within 2**-5 of its logits' largest magnitude."""
     model = Model.load(str(tiny_model(TinySpec(family=family, **variant))))
     prompt = model.encode_prompt(PROMPT)
     generation = model.generate(prompt, max_tokens=STEPS, stop_ids=())
     tokens = list(generation)
-    expected, _ = greedy_recompute(model.network, prompt, STEPS)
-    assert tokens == expected
+    expected, logits = greedy_recompute(model.network, prompt, STEPS)
+    parted = next((step for step, (got, want) in enumerate(zip(tokens, expected)) if got != want), STEPS)
+    if parted < STEPS:
+        row = logits[parted].astype(mx.float32)
+        margin = (row[expected[parted]] - row[tokens[parted]]).item()
+        assert model.network.dtype == mx.bfloat16 and margin <= 2**-5 * mx.abs(row).max().item(), (parted, margin)
+    assert tokens[:parted] == expected[:parted]
     assert generation.stats.finish_reason == "length"
 
 
@@ -89,9 +98,12 @@ def test_max_context_length_sizes_full_attention_layers(tiny_model):
 
 
 def test_quantized_weights_stay_quantized_or_dequantize_to_the_same_model(tiny_model, family):
+    """A bf16 checkpoint's 4-bit weights, kept or dequantized, compared in float32: there the two
+    products differ by their summation order alone (in bf16 on a GPU, MLX's quantized matmul and a
+    dense one round 1e-2 apart)."""
     path = str(tiny_model(TinySpec(family=family, quantization=(4, 32), dtype="bfloat16")))
-    kept = Model.load(path, weights=WeightOptions(dequantize=False))
-    dense = Model.load(path, weights=WeightOptions(dequantize=True))
+    kept = Model.load(path, weights=WeightOptions(dequantize=False, dtype="float32"))
+    dense = Model.load(path, weights=WeightOptions(dequantize=True, dtype="float32"))
     attention = kept.network.layers[0].self_attn
     assert isinstance(attention.q_proj, nn.QuantizedLinear) and attention.q_proj.bits == 4
     assert isinstance(kept.network.model.embed_tokens, nn.QuantizedEmbedding)
