@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from butter_core.plugins import get_plugin_host
+from butter_core.testing.tiny_models import TinySpec, write_tiny_model, write_tokenizer
 
 # MLX's CUDA backend multiplies float32 matrices in TF32 unless told not to (4e-4 relative
 # error on an H100): a batched step's product of many rows and a single sequence's matrix-
 # vector product then differ far beyond float32 rounding, and greedy tokens flip at near-ties.
 # The suite holds float32 to float32 here as on a CPU or Metal (read at the first matmul).
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
-from butter_core.testing.tiny_models import TinySpec, write_tiny_model, write_tokenizer
 
 FAMILIES = ("llama", "qwen3")
 HYBRID_DATA = Path(__file__).parent / "data" / "hybrid"
