@@ -31,6 +31,11 @@ Wall clock, host included (issue 32's method, docs/benchmarks.md). Kernel-only f
    and peak memory; medians over rounds. Before its rounds each engine warms up, as a
    server does before it listens (unless ``--no-warm-up``): butter with
    ``butter_core.warm_up`` for the context, mlx-lm (which has none) with a short run.
+   Then (unless ``--interleave 0``) the engines decode ``--interleave-tokens`` each over one
+   prompt each, taking turns of ``--interleave`` tokens (``interleaved_turns``): each engine's
+   ratio to butter raw and to mlx-lm, paired turn by turn. Rounds a few seconds apart differ
+   by tens of percent on the lent machines; turns a few milliseconds apart share the drift,
+   so these ratios are the ones to quote.
 
 3. **Latency after load** (``--latency``, instead of 1 and 2): per scheme, ``Model.load`` of a
    Qwen3-1.7B-shaped directory (random bf16 weights, written once to ``--model-dir``), then
@@ -45,6 +50,7 @@ Usage (on the lent GPU, ``PYTHONPATH`` with butter and its plugins and mlx-lm):
 
     python3 bench/decode_step.py [--context 4096 32768 131072] [--e2e-context 4096 32768]
         [--kv-cache raw,affine4,aura4v2] [--steps 64] [--rounds 3] [--decode-tokens 64] [--prefill-chunk 2048 8192]
+        [--interleave 8] [--interleave-tokens 256]
         [--skip-layers] [--skip-e2e] [--profile 'butter raw,butter aura4v2'] [--small]
         [--latency [--no-warm-up] [--model-dir DIR]]
 
@@ -60,6 +66,7 @@ import pstats
 import statistics
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import butter_core  # noqa: F401 - before mlx.core (CPU BLAS selection)
@@ -213,36 +220,39 @@ def profile_build(paths, args, context: int, q, k, v) -> None:
         mx.clear_cache()
 
 
-def mlx_lm_run(model, prompt: mx.array, decode: int) -> dict:
-    """mlx-lm 0.32.2's ``generate_step`` for one prompt: its prefill, then pipelined greedy steps."""
+def mlx_lm_tokens(model, prompt: mx.array, decode: int) -> Iterator:
+    """mlx-lm 0.32.2's ``generate_step`` for one prompt, as a stream: its prefill (made on the first
+    ``next``), then pipelined greedy steps; each step's token as it arrives."""
     cache_module = mlx_lm_module("models.cache")
     caches = cache_module.make_prompt_cache(model)
-    mx.synchronize()
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    ids = prompt[None]
-    for offset in range(0, prompt.size - 1, 2048):
-        model(ids[:, offset : min(offset + 2048, prompt.size - 1)], cache=caches)
-        mx.eval([c.state for c in caches])
-        mx.clear_cache()
 
     def step(token):
         return mx.argmax(model(token.reshape(1, 1), cache=caches)[:, -1], axis=-1)
 
-    times = pipelined_decode(step, prompt[-1:], decode, start)
-    return run_stats(prompt.size, times) | {"peak_gib": mx.get_peak_memory() / 2**30}
+    def tokens():
+        ids = prompt[None]
+        for offset in range(0, prompt.size - 1, 2048):
+            model(ids[:, offset : min(offset + 2048, prompt.size - 1)], cache=caches)
+            mx.eval([c.state for c in caches])
+            mx.clear_cache()
+        yield from pipelined_decode(step, prompt[-1:], decode)
+
+    return tokens()
 
 
-def butter_run(network, kind, prompt: mx.array, decode: int, prefill_chunk: int | None = None) -> dict:
+def butter_tokens(network, kind, prompt: mx.array, decode: int, prefill_chunk: int | None = None) -> Iterator:
+    """``Generation`` (the loop of ``butter generate``) for one prompt, as a stream of its tokens."""
     engine = Engine(network, LoadOptions(kv_cache=kind, max_context_length=prompt.size + decode + 8), prefill_chunk=prefill_chunk)
-    caches = engine.make_layer_caches()
+    return iter(Generation(engine, prompt, engine.make_layer_caches(), max_tokens=decode))
+
+
+def timed_run(tokens: Iterator, prompt_tokens: int) -> dict:
+    """One stream read to its end: ``run_stats`` of the times its tokens arrived, and the peak memory since its start."""
+    mx.synchronize()
+    mx.reset_peak_memory()
     start = time.perf_counter()
-    times = []
-    generation = Generation(engine, prompt, caches, max_tokens=decode)
-    for _ in generation:
-        times.append(time.perf_counter() - start)
-    peak = generation.stats.peak_memory  # from its start: prefill and decode
-    return run_stats(prompt.size, times) | {"peak_gib": peak / 2**30}
+    times = [time.perf_counter() - start for _ in tokens]
+    return run_stats(prompt_tokens, times) | {"peak_gib": mx.get_peak_memory() / 2**30}
 
 
 def run_stats(prompt_tokens: int, times: list[float]) -> dict:
@@ -260,7 +270,8 @@ def butter_warm_up(network, kind, context: int, prefill_chunk: int | None = None
 
 
 def e2e_section(args, config: dict) -> None:
-    config = config | {"max_position_embeddings": max(config["max_position_embeddings"], max(args.e2e_context) + args.decode_tokens + 64)}
+    decode = max(args.decode_tokens, args.interleave_tokens if args.interleave else 0)
+    config = config | {"max_position_embeddings": max(config["max_position_embeddings"], max(args.e2e_context) + decode + 64)}
     network = build_model(config, Path("qwen3-shaped (random weights)"))
     network.set_dtype(mx.bfloat16)
     mx.eval(network.parameters())
@@ -269,15 +280,16 @@ def e2e_section(args, config: dict) -> None:
     fuse_projections(network)  # as butter's engine does, so that mlx-lm's model shares its (viewed) weights
     reference.load_weights(tree_flatten(network.parameters()))
     mx.eval(reference.parameters())
-    engines = {"mlx-lm raw": lambda p: mlx_lm_run(reference, p, args.decode_tokens)}
+    streams = {} if args.no_mlx_lm else {"mlx-lm raw": lambda p, decode: mlx_lm_tokens(reference, p, decode)}
     # Before timing, what a server does before it listens: mlx-lm has no warm-up, so one short run of its own,
     # never of the timed prompt's length (butter's warm-up prompt is not that length either, and a first prompt
     # of a new length pays MLX's per-shape setup on a GPU, which a warm-up of that very length would hide).
-    warm_ups = {"mlx-lm raw": lambda c: mlx_lm_run(reference, mx.arange(min(4096, c - 64), dtype=mx.uint32), 48)}
+    warm_ups = {"mlx-lm raw": lambda c: timed_run(mlx_lm_tokens(reference, mx.arange(min(4096, c - 64), dtype=mx.uint32), 48), 0)}
     for name, chunk in itertools.product(args.kv_cache, args.prefill_chunk or [None]):
         kind, label = parse_kv_cache(name), f"butter {name}" + (f" @{chunk}" if chunk else "")
-        engines[label] = lambda p, kind=kind, chunk=chunk: butter_run(network, kind, p, args.decode_tokens, chunk)
-        warm_ups[label] = lambda c, kind=kind, chunk=chunk: butter_warm_up(network, kind, c + args.decode_tokens + 8, chunk)
+        streams[label] = lambda p, decode, kind=kind, chunk=chunk: butter_tokens(network, kind, p, decode, chunk)
+        warm_ups[label] = lambda c, kind=kind, chunk=chunk: butter_warm_up(network, kind, c + decode + 8, chunk)
+    warm_ups = {name: warm_ups[name] for name in streams}
     warmed = "no warm-up" if args.no_warm_up else "each engine warmed up first"
     print(f"\n## End to end: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random bf16; "
           f"{args.decode_tokens} greedy tokens; {warmed}; medians of {args.rounds} rounds (first step: the first "
@@ -285,6 +297,7 @@ def e2e_section(args, config: dict) -> None:
     print("| context | engine | warm-up s | prefill tok/s | prefill / mlx-lm | decode tok/s | decode / butter raw "
           "| decode / mlx-lm raw | first step s | slowest step s | peak GiB |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    interleaved = {}
     for context in args.e2e_context:
         prompt = mx.random.randint(0, config["vocab_size"], (context,), key=mx.random.key(context)).astype(mx.uint32)
         warm_seconds = {}
@@ -293,12 +306,12 @@ def e2e_section(args, config: dict) -> None:
             warm(context)
             warm_seconds[name] = time.perf_counter() - start
             mx.clear_cache()
-        runs = {name: [] for name in engines}
-        names = list(engines)
+        runs = {name: [] for name in streams}
+        names = list(streams)
         for round_ in range(args.rounds):
             for name in names[round_ % len(names):] + names[: round_ % len(names)]:
                 try:
-                    runs[name].append(engines[name](prompt))
+                    runs[name].append(timed_run(streams[name](prompt, args.decode_tokens), context))
                 except Exception as exc:  # noqa: BLE001
                     runs[name].append({"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"})
                     traceback.print_exc()
@@ -320,6 +333,58 @@ def e2e_section(args, config: dict) -> None:
             print(f"| {context} | {name} | {warm} | {m['prefill_tok_s']:.0f} | {ratio('mlx-lm raw', 'prefill_tok_s')} | "
                   f"{m['decode_tok_s']:.1f} | {ratio('butter raw')} | "
                   f"{ratio('mlx-lm raw')} | {first} | {m['slowest']:.3f} | {m['peak_gib']:.1f} |", flush=True)  # fmt: skip
+        if args.interleave:
+            turns = {name: make(prompt, args.interleave_tokens) for name, make in streams.items()}
+            interleaved[context] = interleaved_turns(turns, args.interleave)
+            del turns
+            mx.clear_cache()
+    if args.interleave:
+        print(f"\n## End to end, interleaved: the engines decode in turns of {args.interleave} tokens over one prompt each, "
+              f"{args.interleave_tokens} tokens each (`interleaved_turns`); rates over all turns, ratios over the turns "
+              "the engines shared (in brackets the quartiles of the ratios turn by turn)\n")  # fmt: skip
+        print("| context | engine | turns | decode tok/s | / butter raw | / mlx-lm raw |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for context, seconds in interleaved.items():
+            interleaved_table(context, seconds, args.interleave)
+
+
+def interleaved_turns(streams: dict[str, Iterator], every: int) -> dict[str, list[float]]:
+    """Each stream's turns of ``every`` tokens, the streams taking turns (order rotating each turn)
+    over one process's seconds, so that a drift of the host's speed (tens of percent between
+    processes on the lent machines) falls on every engine alike: per stream, each turn's seconds
+    from its first token to its last (``every - 1`` steps, as ``run_stats``' decode rate counts).
+    Each stream's prefill and first token come first, untimed. A turn starts with the device idle
+    and its stream's next step already queued, as any pipelined step is."""
+    for tokens in streams.values():
+        next(tokens)
+    seconds = {name: [] for name in streams}
+    names = list(streams)
+    for turn in itertools.count():
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            mx.synchronize()
+            times = [time.perf_counter() for _ in itertools.islice(streams[name], every)]
+            if len(times) < every:
+                return seconds
+            seconds[name].append(times[-1] - times[0])
+
+
+def interleaved_table(context: int, seconds: dict[str, list[float]], every: int) -> None:
+    """Each engine's decode rate over all its turns (work done every few steps, such as AURA's
+    deferred encode, counts in full), its ratio to butter raw's and to mlx-lm's over the turns
+    they shared, and the quartiles of those ratios turn by turn."""
+
+    def ratio(name, other):
+        if other not in seconds:
+            return ""
+        pairs = list(zip(seconds[name], seconds[other]))
+        whole = sum(b for _, b in pairs) / sum(a for a, _ in pairs)
+        turns = [b / a for a, b in pairs]
+        low, _, high = statistics.quantiles(turns, n=4) if len(turns) > 1 else turns * 3
+        return f"{whole:.2f}x ({low:.2f}-{high:.2f})"
+
+    for name, values in seconds.items():
+        print(f"| {context} | {name} | {len(values)} | {len(values) * (every - 1) / sum(values):.1f} | "
+              f"{ratio(name, 'butter raw')} | {ratio(name, 'mlx-lm raw')} |", flush=True)  # fmt: skip
 
 
 def latency_section(args) -> None:
@@ -359,6 +424,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--interleave", type=int, default=8, metavar="TOKENS",
+                        help="end to end, also decode with the engines taking turns of this many tokens (0: not)")
+    parser.add_argument("--no-mlx-lm", action="store_true", help="end to end, butter's schemes alone (less memory at 128k)")
+    parser.add_argument("--interleave-tokens", type=int, default=256, help="each engine's tokens when interleaved")
     parser.add_argument("--prefill-chunk", type=int, nargs="+",
                         help="end to end, each butter scheme at each of these prefill chunks (default: the engine's)")
     parser.add_argument("--skip-layers", action="store_true")

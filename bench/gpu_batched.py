@@ -56,6 +56,7 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -163,7 +164,7 @@ def run_mlx_lm(model, prompts: mx.array, decode: int, chunk: int) -> dict:
     def step(tokens):
         return mx.argmax(model(tokens[:, None], cache=caches)[:, -1], axis=-1)
 
-    times = pipelined_decode(step, prompts[:, -1], decode, start)
+    times = [time.perf_counter() - start for _ in pipelined_decode(step, prompts[:, -1], decode)]
     args = model.args
     return {"first_s": times[0], "tok_s": batch * (decode - 1) / (times[-1] - times[0]),
             "step_ms": statistics.median(b - a for a, b in itertools.pairwise(times)) * 1e3,
@@ -171,20 +172,17 @@ def run_mlx_lm(model, prompts: mx.array, decode: int, chunk: int) -> dict:
             "bytes_per_position": args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * 2}  # fmt: skip
 
 
-def pipelined_decode(step, tokens: mx.array, decode: int, start: float) -> list[float]:
+def pipelined_decode(step, tokens: mx.array, decode: int) -> Iterator[list]:
     """mlx-lm's decode loop: ``decode`` steps of ``step``, each built and queued (``mx.async_eval``)
-    before the previous one's tokens are read; the time since ``start`` at which each step's tokens arrive."""
+    before the previous one's tokens are read; yields each step's tokens as they arrive."""
     y = step(tokens)
     mx.async_eval(y)
-    times = []
     for n in range(decode):
         following = step(y) if n + 1 < decode else None
         if following is not None:
             mx.async_eval(following)
-        y.tolist()
-        times.append(time.perf_counter() - start)
+        yield y.tolist()
         y = following
-    return times
 
 
 def main() -> None:
