@@ -307,8 +307,11 @@ class Attention(nn.Module):
         return self.output(out, None if residual is None else residual.reshape(batch * tokens, -1)).reshape(x.shape)
 
     def queries_keys_values(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """What this attention hands its cache for ``x``: queries and keys RoPE'd at ``offset``, values."""
+        """What this attention hands its cache for ``x``: queries and keys RoPE'd at ``offset`` (as they
+        are where ``rope`` is None: NoPE), values."""
         q, k, v = self.project(x)
+        if self.rope is None:
+            return q, k, v
         return self.rope(q, offset), self.rope(k, offset), v
 
     def output(self, out: mx.array, residual: mx.array | None) -> mx.array:
@@ -317,31 +320,20 @@ class Attention(nn.Module):
         return plus(self.o_proj, rows_of(out), residual)
 
 
-class GroupedAttention(nn.Module):
-    """GQA attention at a given ``scale``, RoPE'd where a ``rope`` is given (else NoPE), for the
-    families whose attention differs from Llama's only in those (Granite 4.0-H, Nemotron-H)."""
+class GroupedAttention(Attention):
+    """``Attention`` made from its sizes, at a given ``scale``, RoPE'd where a ``rope`` is given (else
+    NoPE), for the families whose attention differs from Llama's only in those (Granite 4.0-H,
+    Nemotron-H)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *, scale: float, bias: bool,
                  rope: RopeConfig | None):  # fmt: skip
-        super().__init__()
+        nn.Module.__init__(self)
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, scale
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
         self.rope = None if rope is None else RoPE(head_dim, rope)
-
-    def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
-        batch, tokens, _ = x.shape
-        rows = x.reshape(batch * tokens, -1)
-        q = heads(plus(self.q_proj, rows), batch, self.n_heads)
-        k = heads(plus(self.k_proj, rows), batch, self.n_kv_heads)
-        v = heads(plus(self.v_proj, rows), batch, self.n_kv_heads)
-        if self.rope is not None:
-            offset = 0 if cache is None else cache.absolute_position
-            q, k = self.rope(q, offset), self.rope(k, offset)
-        out = attend_through(cache, q, k, v, scale=self.scale, mask=mask)
-        return plus(self.o_proj, rows_of(out)).reshape(batch, tokens, -1)
 
 
 @partial(mx.compile, shapeless=True)
