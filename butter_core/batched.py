@@ -566,9 +566,12 @@ class BatchedLayer(StepView):
         self._write(place, keys, values)
         if self.step.tokens == 1:
             page = self.caches.page_size
-            out = (prototype.paged_decode(queries, storage.read(), place.table, place.lengths, page, place.length, scale)
+            # Every buffer by name (views the storage keeps until it is written) and each stack whole: a
+            # kernel that reads a stack whole puts no view of its members in the step.
+            buffers = storage.read() | storage.read(stacked=True)
+            out = (prototype.paged_decode(queries, buffers, place.table, place.lengths, page, place.length, scale)
                    if state is None else
-                   state.paged_decode(queries, storage.read(), place.table, place.live, page, scale, self.step.slots))  # fmt: skip
+                   state.paged_decode(queries, buffers, place.table, place.live, page, scale, self.step.slots))  # fmt: skip
             if out is not None:
                 return out.astype(queries.dtype)
         stored_keys, stored_values = self._stored(place)

@@ -79,7 +79,8 @@ class SequenceState:
         scale: float, rows: Sequence[int],
     ) -> mx.array | None:  # fmt: skip
         """Optional: ``BufferedSlotCache.paged_decode`` for a scheme with this state (the pages read in
-        place, ``lengths`` each sequence's live slots on the host, ``rows[b]`` its state row); None
+        place, ``buffers`` as there, ``lengths`` each sequence's live slots on the host, ``rows[b]`` its
+        state row); None
         where there is no such kernel here, and the pages are gathered, decoded and ``read``."""
         return None
 

@@ -281,10 +281,12 @@ class BufferedSlotCache(SlotCache):
         page_size: int, length: int, scale: float,
     ) -> mx.array | None:  # fmt: skip
         """Optional: one query token per sequence attending over its pages of shared storage, read in
-        place (``buffers`` by name, each ``[1, heads, slots, width]``; sequence ``b``'s position ``p``
-        in slot ``table[b, p // page_size] * page_size + p % page_size``, its live positions
-        ``lengths[b]``, at most ``length``), in the queries' dtype; None where this scheme has no
-        such kernel here, and batched storage gathers the pages and calls ``decode`` instead."""
+        place (``buffers``: every buffer by name, each ``[1, heads, slots, width]``, and each stack
+        whole, ``[n, 1, heads, slots, width]``, under its key, as ``SlotBuffers.read`` gives them; a
+        kernel that reads a stack whole puts no view of its members in the step; sequence ``b``'s
+        position ``p`` in slot ``table[b, p // page_size] * page_size + p % page_size``, its live
+        positions ``lengths[b]``, at most ``length``), in the queries' dtype; None where this scheme
+        has no such kernel here, and batched storage gathers the pages and calls ``decode`` instead."""
         return None
 
     def sequence_state(self, sequences: int, capacity: int, ring_start: int | None,

@@ -8,6 +8,7 @@ from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, PrefillPi
 
 from butter_affine.kind import Affine
 from butter_affine.ops import AffineOps, decode_kernel, select_ops
+from butter_affine.kernels import decode_mma
 from butter_affine.packing import BUFFERS, STACKS, PackedFormat
 
 
@@ -27,8 +28,9 @@ class AffineCache(BufferedSlotCache):
     single-token attention uses the fastest path of this backend (``ops``), on CUDA with the
     token's write in the same traced call (``decode_step``). In batched storage
     (``butter_core.batched``) on a GPU, a decode step reads every sequence's codes in place
-    through its page table (``kernels.decode_mma.paged_decode_attention`` on CUDA's tensor
-    cores where it serves the format, else ``kernels.decode.paged_decode_attention``).
+    through its page table (``kernels.decode_mma.paged_decode_attention_stacks`` on CUDA's tensor
+    cores where it serves the format, reading the storage's two stacks whole, else
+    ``kernels.decode.paged_decode_attention``).
     """
 
     def __init__(self, spec: LayerSpec, kind: Affine, pipeline: PrefillPipeline | None = None):
@@ -52,8 +54,10 @@ class AffineCache(BufferedSlotCache):
         kernel = decode_kernel(self.format, queries.dtype)
         if kernel is None:
             return None
-        return kernel.paged_decode_attention(queries, *(buffers[name] for name in BUFFERS), table=table, lengths=lengths,
-                                             page_size=page_size, length=length, scale=scale)  # fmt: skip
+        options = {"table": table, "lengths": lengths, "page_size": page_size, "length": length, "scale": scale}
+        if kernel is decode_mma:
+            return decode_mma.paged_decode_attention_stacks(queries, buffers["codes"], buffers["scales_biases"], **options)
+        return kernel.paged_decode_attention(queries, *(buffers[name] for name in BUFFERS), **options)
 
     def load(self, length):
         """``decode`` of the live slots, reading the whole buffers (the shape a traced kernel keeps)."""

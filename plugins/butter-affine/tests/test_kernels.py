@@ -397,16 +397,18 @@ def test_paged_tensor_core_decode_matches_reference_under_the_emulators(emulated
 
 def test_batched_storage_decodes_on_tensor_cores_where_one_sequence_does():
     """``AffineCache.paged_decode`` takes the paged tensor-core kernel where a single cache takes the
-    tensor-core kernel (CUDA, a format it serves), and the SIMT paged kernel elsewhere."""
+    tensor-core kernel (CUDA, a format it serves), reading the storage's stacks whole, and the SIMT
+    paged kernel elsewhere, through views of their members."""
     inputs = decode.make_paged_inputs(0)
-    buffers = {name: inputs[name] for name in BUFFERS}
+    named = {name: inputs[name] for name in BUFFERS}
+    buffers = named | stack(named)  # as batched storage hands them: by name and each stack whole
     cache = AffineCache(LayerSpec(2, 128, 64, mx.bfloat16), Affine(bits=4, group_size=32))
-    for gpu, expected in (("cuda", "butter_affine_paged_decode_mma_partials"),
-                          ("metal", "butter_affine_paged_decode_partials")):
+    for gpu, expected, codes_shape in (("cuda", "butter_affine_paged_decode_mma_partials", buffers["codes"].shape),
+                                       ("metal", "butter_affine_paged_decode_partials", inputs["key_codes"].shape)):
         with standing_in_for_gpu(), recorded_builds(gpu) as builds:
             cache.paged_decode(inputs["queries"], buffers, inputs["table"], inputs["lengths"], inputs["page_size"],
                                inputs["length"], inputs["scale"])
-        assert [b.kernel.name for b in builds][0] == expected
+        assert (builds[0].kernel.name, builds[0].input_shapes[1]) == (expected, codes_shape)
 
 
 STACKED_MMA_CHECK = next(c for c in KERNEL_CHECKS if c.name == "stacked_decode_attention_mma")

@@ -311,7 +311,7 @@ class FullPrecisionRows(SequenceState):
         """Each sequence's codes gathered from its pages and read in the rotated domain, its full-precision
         rows beside them (``cpu.gathered_decode_attention``)."""
         budget, length = self.budget, max(lengths)
-        gathered = {name: gather_pages(array, table, page_size, length) for name, array in buffers.items()}
+        gathered = {name: gather_pages(buffers[name], table, page_size, length) for name in self.cache.slots.layout}
         recent = mx.array(self.rings.recent[np.asarray(rows)], dtype=mx.int32)
         live = mx.array(lengths, dtype=mx.int32)[:, None]
         member, _ = budget.membership(recent, length)

@@ -352,7 +352,7 @@ def paged_decode_attention(
     ``lengths[b]`` positions (on the device; ``length``, their maximum, sizes the splits).
     """
     buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
-    fmt = _check_paged_args(queries, buffers, table, lengths, page_size, length)
+    fmt = _check_paged_args(queries, key_codes, key_scales, value_codes, table, lengths, page_size, length)
     extra = [table, lengths, kernel_params((scale,), mx.float32)]
     return _decode(_PAGED_PARTIALS, fmt, queries, buffers, extra, length, [("PAGE", page_size)])
 
@@ -366,7 +366,7 @@ def paged_decode_attention_reference(
     """The same through plain mx ops: each sequence's pages gathered and dequantized, its live keys
     masked, in float32."""
     buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
-    fmt = _check_paged_args(queries, buffers, table, lengths, page_size, length)
+    fmt = _check_paged_args(queries, key_codes, key_scales, value_codes, table, lengths, page_size, length)
     rows = [gather_pages(x, table, page_size, length) for x in buffers]
     keys = codec.dequantize(*rows[:3], fmt.bits, mx.float32)
     values = codec.dequantize(*rows[3:], fmt.bits, mx.float32)
@@ -397,8 +397,7 @@ def available() -> bool:
     return _PARTIALS.available()
 
 
-def _check_paged_args(queries, buffers, table, lengths, page_size, length) -> PackedFormat:
-    key_codes, key_scales, value_codes = buffers[0], buffers[1], buffers[3]
+def _check_paged_args(queries, key_codes, key_scales, value_codes, table, lengths, page_size, length) -> PackedFormat:
     if key_codes.ndim != 4 or key_codes.shape[0] != 1:
         raise ValueError(f"key codes must be paged storage [1, n_kv_heads, slots, words], got {key_codes.shape}")
     batch = queries.shape[0]

@@ -388,12 +388,13 @@ _STACKED_PARTIALS = Kernel(
 
 _PAGED_PARTIALS = Kernel(
     name="butter_affine_paged_decode_mma_partials",
-    input_names=("queries", *BUFFERS, "table", "lengths", "scale"),
+    input_names=("queries", "codes", "scales_biases", "table", "lengths", "scale"),
     output_names=("partial_acc", "partial_max", "partial_sum"),
     mma=True,
     helpers=_HELPERS,
     body=(
-        split_k.paged_preamble("key_codes")
+        STACK_MEMBERS
+        + split_k.paged_preamble("key_codes")
         + split_k.fill(_PARTIALS_BODY, {"$LIVE": "lengths[sequence]", "$KV_ROWS": "block.kv_head", "$PAGE": "PAGE",
                                         "$TABLE": "table, pages"})
     ),
@@ -440,9 +441,7 @@ def decode_attention_stacks(
     a traced decode step calls it (``ops.kernel_decode``): no view of a member is taken, so the
     step's graph holds two nodes fewer per stack member than through ``decode_attention_live``.
     The splits are planned for every allocated slot."""
-    if codes.ndim != 5 or codes.shape[0] != 2 or scales_biases.ndim != 5 or scales_biases.shape[0] != 4:
-        raise ValueError(f"codes must be a [2, B, heads, slots, words] stack and scales_biases a [4, ...] one; got "
-                         f"{codes.shape} and {scales_biases.shape}")
+    _check_stacks(codes, scales_biases)
     fmt = _check_args(queries, codes[0], scales_biases[0], codes[1], codes.shape[3])
     acc, maxes, sums = _partials(_STACKED_PARTIALS, fmt, queries, [codes, scales_biases], [live, scale],
                                  codes.shape[3], splits, kv_heads=codes.shape[2])
@@ -482,13 +481,34 @@ def paged_decode_attention(
     value_codes: mx.array, value_scales: mx.array, value_biases: mx.array,
     *, table: mx.array, lengths: mx.array, page_size: int, length: int, scale: float, splits: int | None = None,
 ) -> mx.array:
+    """``decode.paged_decode_attention``'s arguments through ``paged_decode_attention_stacks`` (the
+    buffers stacked first, as paged storage keeps them): its check's entry."""
+    stacks = stack(dict(zip(BUFFERS, (key_codes, key_scales, key_biases, value_codes, value_scales, value_biases))))
+    return paged_decode_attention_stacks(queries, stacks["codes"], stacks["scales_biases"], table=table,
+                                         lengths=lengths, page_size=page_size, length=length, scale=scale,
+                                         splits=splits)  # fmt: skip
+
+
+def paged_decode_attention_stacks(
+    queries: mx.array, codes: mx.array, scales_biases: mx.array,
+    *, table: mx.array, lengths: mx.array, page_size: int, length: int, scale: float, splits: int | None = None,
+) -> mx.array:
     """``decode.paged_decode_attention`` on tensor cores: one query token per sequence over its pages
-    of shared packed storage, the codes read in place; ``supports`` says which formats."""
-    buffers = [key_codes, key_scales, key_biases, value_codes, value_scales, value_biases]
-    fmt = _check_paged_args(queries, buffers, table, lengths, page_size, length)
+    of shared packed storage, read in place from the storage's two stacks as batched storage hands
+    them (``packing.STACKS``: codes ``[2, 1, n_kv_heads, slots, words]``, scales and biases ``[4, 1,
+    ...]``), so a decode step takes no view of a member; ``supports`` says which formats."""
+    _check_stacks(codes, scales_biases)
+    fmt = _check_paged_args(queries, codes[0], scales_biases[0], codes[1], table, lengths, page_size, length)
     extra = [table, lengths, kernel_params((scale,), mx.float32)]
-    acc, maxes, sums = _partials(_PAGED_PARTIALS, fmt, queries, buffers, extra, length, splits, [("PAGE", page_size)])
+    acc, maxes, sums = _partials(_PAGED_PARTIALS, fmt, queries, [codes, scales_biases], extra, length, splits,
+                                 [("PAGE", page_size)], kv_heads=codes.shape[2])  # fmt: skip
     return split_k.merge_partials(acc, maxes, sums, queries.dtype)
+
+
+def _check_stacks(codes: mx.array, scales_biases: mx.array) -> None:
+    if codes.ndim != 5 or codes.shape[0] != 2 or scales_biases.ndim != 5 or scales_biases.shape[0] != 4:
+        raise ValueError(f"codes must be a [2, B, heads, slots, words] stack and scales_biases a [4, ...] one; got "
+                         f"{codes.shape} and {scales_biases.shape}")
 
 
 def _partials(kernel: Kernel, fmt: PackedFormat, queries: mx.array, buffers: list[mx.array], extra: list[mx.array],
