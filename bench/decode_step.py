@@ -280,16 +280,18 @@ def e2e_section(args, config: dict) -> None:
     fuse_projections(network)  # as butter's engine does, so that mlx-lm's model shares its (viewed) weights
     reference.load_weights(tree_flatten(network.parameters()))
     mx.eval(reference.parameters())
-    streams = {} if args.no_mlx_lm else {"mlx-lm raw": lambda p, decode: mlx_lm_tokens(reference, p, decode)}
-    # Before timing, what a server does before it listens: mlx-lm has no warm-up, so one short run of its own,
-    # never of the timed prompt's length (butter's warm-up prompt is not that length either, and a first prompt
-    # of a new length pays MLX's per-shape setup on a GPU, which a warm-up of that very length would hide).
-    warm_ups = {"mlx-lm raw": lambda c: timed_run(mlx_lm_tokens(reference, mx.arange(min(4096, c - 64), dtype=mx.uint32), 48), 0)}
+    streams, warm_ups = {}, {}
+    if not args.no_mlx_lm:
+        streams["mlx-lm raw"] = lambda p, decode: mlx_lm_tokens(reference, p, decode)
+        # Before timing, what a server does before it listens: mlx-lm has no warm-up, so one short run of its own,
+        # never of the timed prompt's length (butter's warm-up prompt is not that length either, and a first prompt
+        # of a new length pays MLX's per-shape setup on a GPU, which a warm-up of that very length would hide).
+        warm_ups["mlx-lm raw"] = lambda c: timed_run(
+            mlx_lm_tokens(reference, mx.arange(min(4096, c - 64), dtype=mx.uint32), 48), 0)
     for name, chunk in itertools.product(args.kv_cache, args.prefill_chunk or [None]):
         kind, label = parse_kv_cache(name), f"butter {name}" + (f" @{chunk}" if chunk else "")
         streams[label] = lambda p, decode, kind=kind, chunk=chunk: butter_tokens(network, kind, p, decode, chunk)
         warm_ups[label] = lambda c, kind=kind, chunk=chunk: butter_warm_up(network, kind, c + decode + 8, chunk)
-    warm_ups = {name: warm_ups[name] for name in streams}
     warmed = "no warm-up" if args.no_warm_up else "each engine warmed up first"
     print(f"\n## End to end: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, random bf16; "
           f"{args.decode_tokens} greedy tokens; {warmed}; medians of {args.rounds} rounds (first step: the first "

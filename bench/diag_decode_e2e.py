@@ -129,9 +129,9 @@ def main() -> None:
         del fresh
         mx.clear_cache()
         slowest = max(range(args.steps), key=whole.__getitem__)
-        slow = [f"{n + 1}: {1e3 * build[n]:.1f} + {1e3 * wait[n]:.1f}" for n in range(args.steps)
-                if whole[n] > 1.5 * statistics.median(whole)]  # fmt: skip
         if args.slow_steps:
+            slow = [f"{n + 1}: {1e3 * build[n]:.1f} + {1e3 * wait[n]:.1f}" for n in range(args.steps)
+                    if whole[n] > 1.5 * statistics.median(whole)]  # fmt: skip
             print(f"<!-- {name}: steps over 1.5x the median, build + wait ms: {', '.join(slow)} -->")
         print(f"| {name} | {prefill:.2f} | {peak:.1f} | {median_ms(build):.2f} | {median_ms(wait):.2f} | {median_ms(whole):.2f} | "
               f"{1e3 * statistics.fmean(whole):.2f} | {slowest + 1}, {1e3 * build[slowest]:.2f} + {1e3 * wait[slowest]:.2f} | "

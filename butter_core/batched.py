@@ -52,7 +52,7 @@ from butter_core.config import Window
 from butter_core.errors import ConfigError
 from butter_core.recurrent import StateCache, StateSpec
 from butter_core.sequence_state import SequenceState, Written
-from butter_core.slots import BufferedSlotCache, SlotBuffers, gather_rows, unstack
+from butter_core.slots import BufferedSlotCache, KernelBuffers, SlotBuffers, gather_rows, unstack
 
 DEFAULT_MAX_SEQUENCES = 64
 """Sequence slots of a model with recurrent layers when ``max_sequences`` is not given (at most
@@ -566,9 +566,7 @@ class BatchedLayer(StepView):
         self._write(place, keys, values)
         if self.step.tokens == 1:
             page = self.caches.page_size
-            # Every buffer by name (views the storage keeps until it is written) and each stack whole: a
-            # kernel that reads a stack whole puts no view of its members in the step.
-            buffers = storage.read() | storage.read(stacked=True)
+            buffers = KernelBuffers(storage)
             out = (prototype.paged_decode(queries, buffers, place.table, place.lengths, page, place.length, scale)
                    if state is None else
                    state.paged_decode(queries, buffers, place.table, place.live, page, scale, self.step.slots))  # fmt: skip

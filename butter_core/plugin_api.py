@@ -60,7 +60,7 @@ from butter_core.kernels.backend import GpuShape, gpu_shape
 from butter_core.recurrent import GATED_DELTA, MAMBA2, GatedDeltaMixer, Mamba2Mixer, StateCache, StateSpec
 from butter_core.registry import CacheScheme, EvictionPolicy
 from butter_core.sequence_state import SequenceState, Written
-from butter_core.slots import BufferedSlotCache, Layout, SlotBuffers, Stacks, slot_update, unstack
+from butter_core.slots import BufferedSlotCache, KernelBuffers, Layout, SlotBuffers, Stacks, slot_update, unstack
 from butter_core.working_set import PrefillPipeline
 
 __all__ = [
@@ -77,6 +77,7 @@ __all__ = [
     "GatedDeltaMixer",
     "GpuShape",
     "Kernel",
+    "KernelBuffers",
     "KernelCheck",
     "LayerCache",
     "LayerSpec",

@@ -10,7 +10,7 @@ attends in batched storage to what it would attend to alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -75,13 +75,13 @@ class SequenceState:
         raise NotImplementedError
 
     def paged_decode(
-        self, queries: mx.array, buffers: dict[str, mx.array], table: mx.array, lengths: Sequence[int], page_size: int,
+        self, queries: mx.array, buffers: Mapping[str, mx.array], table: mx.array, lengths: Sequence[int], page_size: int,
         scale: float, rows: Sequence[int],
     ) -> mx.array | None:  # fmt: skip
         """Optional: ``BufferedSlotCache.paged_decode`` for a scheme with this state (the pages read in
         place, ``buffers`` as there, ``lengths`` each sequence's live slots on the host, ``rows[b]`` its
-        state row); None
-        where there is no such kernel here, and the pages are gathered, decoded and ``read``."""
+        state row); None where there is no such kernel here, and the pages are gathered, decoded and
+        ``read``."""
         return None
 
     def export(self, row: int) -> dict[str, mx.array]:
