@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from butter_core.plugin_api import BufferedSlotCache, ConfigError, LayerSpec, PrefillPipeline, attend, kernel_params
 
@@ -11,7 +10,7 @@ from butter_aura import reference
 from butter_aura.codec import SCALE_DTYPE
 from butter_aura.kernels.attention import traces
 from butter_aura.kind import Aura
-from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype, stacks_for
+from butter_aura.layout import DEFAULT_SEED, FullPrecisionBudget, codecs, full_precision_dtype, ring_rows, stacks_for
 from butter_aura.rotation import Rotation, layer_seed
 from butter_aura.sequences import FullPrecisionRows, RecentRings
 from butter_aura.stored import StoredLayer
@@ -89,6 +88,8 @@ class AuraCache(BufferedSlotCache):
         the newer of two positions."""
         self._unencoded: set[int] = set()
         """Recent-ring slots whose codes are not written yet (``store``); each is in the ring."""
+        self._step = None
+        """What runs a decode step in one traced call (``decode_step``), once made."""
 
     # -- storage ---------------------------------------------------------------
 
@@ -140,16 +141,21 @@ class AuraCache(BufferedSlotCache):
 
     def decode_step(self, start, keys, values, position, queries, live, scale):
         """Where calls are traced (``kernels.attention.traces``), a deferred token (``store``) is
-        written into its ring row and attended to in one call (``GPU_OPS.decode_step``)."""
-        step = getattr(self.ops, "decode_step", None)
-        if step is None or not traces():
+        written into its ring row and attended to in one call (``GPU_OPS.decode_step``, made at the
+        first step)."""
+        if not traces():
             return None
+        if self._step is None:
+            make = getattr(self.ops, "decode_step", None)
+            if make is None:
+                return None
+            self._step = make(self.key_codec, self.value_codec, self.budget)
         index = self._deferred_row(start, keys, position)
         if index is None:
             return None
         self._defer(index, start, position)
-        out, fp_keys, fp_values = step(queries, keys, values, self.budget.sinks + index, self.stored(live), scale)
-        self._fp = {"fp_keys": fp_keys, "fp_values": fp_values}
+        out, self._fp = self._step(queries, keys, values, self.budget.sinks + index, self.rotation.signs,
+                                   self.slots.read(), self._fp, tuple(self._recent), live, scale)  # fmt: skip
         return out
 
     def _defer(self, index: int, start: int, position: int) -> None:
@@ -186,12 +192,21 @@ class AuraCache(BufferedSlotCache):
 
     def _encode_unencoded(self) -> None:
         """Encode the ring slots ``store`` left without codes, from their full-precision rows,
-        and write their codes: one encode call, one write per run of consecutive slots."""
+        and write their codes: where calls are traced, in one call (``GPU_OPS.encode_into``); else
+        one encode call, one write per run of consecutive slots."""
         if not self._unencoded:
             return
-        slots = sorted(self._unencoded)
+        slots = tuple(sorted(self._unencoded))
         self._unencoded = set()
-        index = mx.array(self.budget.rows_of(np.array(slots)), dtype=mx.int32)
+        rows = ring_rows(self.budget, slots)
+        encode_into = getattr(self.ops, "encode_into", None)
+        if encode_into is not None and traces():
+            self.slots.replace(encode_into(
+                self.slots.read(stacked=True), self._fp, kernel_params(rows, mx.int32), kernel_params(slots, mx.int32),
+                self.rotation.signs, self.key_codec, self.value_codec,
+            ))  # fmt: skip
+            return
+        index = mx.array(rows, dtype=mx.int32)
         rows = self.encode(mx.take(self._fp["fp_keys"], index, axis=2), mx.take(self._fp["fp_values"], index, axis=2))
         first = 0
         for i in range(1, len(slots) + 1):

@@ -149,3 +149,12 @@ class Rotation:
             mx.eval(mixing)
             object.__setattr__(self, "mixing", mixing)
         return self.mixing
+
+
+@attrs.frozen(eq=False)
+class TracedRotation:
+    """What the kernels read of a ``Rotation`` inside a traced call: its signs (the trace's input),
+    and no permutation (the kernels serve power-of-two head sizes only)."""
+
+    signs: mx.array
+    permutation: None = None

@@ -262,8 +262,9 @@ def test_decode_takes_the_simt_kernel_on_gpus_without_tensor_cores(monkeypatch, 
                          ids=["tensor-cores-window", "simt-ring-wrap"])  # fmt: skip
 def test_a_decode_step_writes_its_ring_row_and_attends_in_one_call_as_the_calls_it_replaces(dtype, window, steps):
     """On CUDA a deferred token's ring-row write and the decode attention are one traced call
-    (``attention.traced_decode_step``). Under the emulator its outputs and state equal those of
-    the write and the call it replaces: past a window's 16 slots (a ring of 12 rows after 4
+    (``attention.DecodeStep``), and so is the write of the deferred tokens' codes
+    (``encode.traced_encode_into``). Under the emulator their outputs and state equal those of
+    the writes and calls they replace: past a window's 16 slots (a ring of 12 rows after 4
     sinks: each token overwrites its slot and row), and, without a window, past the 32-row
     ring's wrap (the 33rd decode token's row holds a deferred token, whose codes are then
     written)."""
@@ -272,10 +273,11 @@ def test_a_decode_step_writes_its_ring_row_and_attends_in_one_call_as_the_calls_
 
     with standing_in_for_gpu(), emulated_cuda():
         attention._traced.cache_clear()
+        encode._traced_encode_into.cache_clear()
         fused, plain = (make_layer_caches(Aura(4, 2), [spec], window)[0] for _ in range(2))
         inner = [getattr(c, "inner", c) for c in (fused, plain)]
         assert inner[0].ops is GPU_OPS
-        inner[1].ops = types.SimpleNamespace(**{**vars(GPU_OPS), "decode_step": None})
+        inner[1].ops = types.SimpleNamespace(**{**vars(GPU_OPS), "decode_step": None, "encode_into": None})
         assert inner[0].budget.recent == (12 if window else 32)
         queries, keys, values = random_chunk(spec, 10, 4, mx.random.key(0))
         for cache in (fused, plain):
@@ -287,5 +289,10 @@ def test_a_decode_step_writes_its_ring_row_and_attends_in_one_call_as_the_calls_
             assert mx.array_equal(out_fused, out_plain).item(), step
         taken = attention._traced(inner[0].key_codec.fields, inner[0].value_codec.fields, inner[0].budget, writes=True)
         assert taken.traces  # the fused cache's steps took the traced write
+        flushed = encode._traced_encode_into(inner[0].key_codec.fields, inner[0].value_codec.fields,
+                                             tuple(inner[0].slots.read(stacked=True)))  # fmt: skip
+        # and without a window the traced write of deferred codes (under one, each token's slot and
+        # row are the evicted token's, whose codes are never written)
+        assert bool(flushed.made) == (window is None)
         for name, array in inner[0].state().items():
             assert mx.array_equal(array, inner[1].state()[name]).item(), name

@@ -4,7 +4,7 @@
 * ``decode_attention`` (``attention.py``): one query token over the codes, flash-decoding
   split-K, no key or value materialised (two launches); on CUDA a cache calls it traced
   once per buffer shape and replayed (``traced_decode_attention``), with the token's write
-  into the full-precision rows in the same trace (``traced_decode_step``). Its partials run on tensor cores
+  into the full-precision rows in the same trace (``DecodeStep``). Its partials run on tensor cores
   (``attention_mma.py``) on CUDA wherever that kernel serves the configuration (aura4v2,
   aura4v4, aura8v4, aura8v8 with one scale per vector, float16/bfloat16 queries), else on
   the SIMT kernel in ``attention.py``.
@@ -28,11 +28,13 @@ from butter_aura.kernels.checks import KERNEL_CHECKS
 
 GPU_OPS = types.SimpleNamespace(
     encode=encode.encode, encode_rows=encode.encode_rows, decode_attention=attention.traced_decode_attention,
-    dequantize=dequantize.dequantize, decode_step=attention.traced_decode_step,
+    dequantize=dequantize.dequantize, decode_step=attention.DecodeStep, encode_into=encode.traced_encode_into,
 )
-"""The kernel implementations, shaped like the ``reference`` module, and ``decode_step``: a decode
-step's write into the full-precision rows and its attention in one traced call, where calls are
-traced (``attention.traces``; ``AuraCache.decode_step``)."""
+"""The kernel implementations, shaped like the ``reference`` module, and where calls are traced
+(``attention.traces``) two traced calls of ``AuraCache``'s: ``decode_step``, what a cache makes once
+(``attention.DecodeStep``) to run a decode step's write into the full-precision rows and its
+attention in one call, and ``encode_into``, the codes of the tokens decode steps deferred
+written in one call (``encode.traced_encode_into``)."""
 
 
 def available() -> bool:

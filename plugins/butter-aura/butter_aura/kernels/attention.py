@@ -36,9 +36,8 @@ Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-import attrs
 import mlx.core as mx
 
 from butter_core.plugin_api import (
@@ -55,7 +54,8 @@ from butter_aura.codec import Codec
 from butter_aura.kernels import attention_mma
 from butter_aura.kernels.source import DENSE, HELPERS, PAGED, PAGED_PREAMBLE
 from butter_aura.layout import FullPrecisionBudget
-from butter_aura.stored import StoredLayer
+from butter_aura.rotation import TracedRotation
+from butter_aura.stored import StoredLayer, held_range
 
 LANES = 8
 """Lanes that share one key (each holds D / LANES coordinates)."""
@@ -393,9 +393,13 @@ def live_params(stored: StoredLayer) -> mx.array:
     """What the kernels read of a layer's state when they run, as one int32 array
     (``source.AuraSlotParams``): the live length, sinks, the recent ring's period, the
     smallest and largest slot the ring holds, and where ring rows start and stop repeating."""
-    lo, hi = stored.recent_range()
-    sinks, recent, base, tail = stored.budget.params()
-    return kernel_params((stored.length, sinks, recent, lo, hi, base, tail), mx.int32)
+    return slot_params(stored.length, stored.budget, *stored.recent_range())
+
+
+def slot_params(length: int, budget: FullPrecisionBudget, lo: int, hi: int) -> mx.array:
+    """``live_params`` of a layer of ``length`` live slots whose ring holds slots ``[lo, hi]``."""
+    sinks, recent, base, tail = budget.params()
+    return kernel_params((length, sinks, recent, lo, hi, base, tail), mx.int32)
 
 
 def _check_decode(queries: mx.array, stored: StoredLayer) -> None:
@@ -497,34 +501,41 @@ def traced_decode_attention(queries: mx.array, stored: StoredLayer, scale: float
                   kernel_params((scale,), mx.float32))
 
 
-@attrs.frozen(eq=False)
-class TracedRotation:
-    """What the kernels read of a ``Rotation``: its signs (a traced input), and no permutation
-    (``_check_decode`` admits power-of-two head dims only)."""
-
-    signs: mx.array
-    permutation: None = None
-
-
 def traces() -> bool:
     """Whether a cache's decode calls are traced here (``traced_decode_attention``,
-    ``traced_decode_step``): on CUDA."""
+    ``DecodeStep``): on CUDA."""
     return gpu_backend() == "cuda"
 
 
-def traced_decode_step(queries: mx.array, keys: mx.array, values: mx.array, row: int, stored: StoredLayer,
-                       scale: float) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
-    """A decode step of one cache whose token goes to full-precision row ``row`` (its codes
-    deferred), where calls are traced (``traces``): the token written into ``stored.fp_keys``
-    and ``stored.fp_values`` at that row (``slot_update``), and ``traced_decode_attention``
-    over the result, in one traced call (``AuraCache.decode_step``). ``stored`` holds the
-    arrays before the write. Returns the output and the written full-precision arrays,
-    which replace the cache's (updated in place: the cache lets go of the old ones)."""
-    _check_decode(queries, stored)
-    traced = _traced(stored.key_codec.fields, stored.value_codec.fields, stored.budget, writes=True)
-    return traced(queries, keys, values, kernel_params((row,), mx.int32), stored.rotation.signs, stored.key_codes,
-                  stored.key_scales, stored.value_codes, stored.value_scales, stored.fp_keys, stored.fp_values,
-                  stored.recent_slots, live_params(stored), kernel_params((scale,), mx.float32))
+class DecodeStep:
+    """A cache's decode step where calls are traced (``traces``), for a deferred token (its codes
+    written later) bound for full-precision row ``row``: the token written into the full-precision
+    rows at that row (``slot_update``) and ``traced_decode_attention`` over the result, in one
+    traced call (``AuraCache.decode_step``).
+
+    Made once per cache, so a step hands over only what changes: no ``StoredLayer`` is made and
+    nothing fixed is checked again (the cache's head size is one the kernels serve: ``ops_for``;
+    one query token over >= 1 live slot: ``SlotCache.store_and_attend``). A decode step on a GPU
+    is bound by the host, and this preparation ran on every layer of every step."""
+
+    def __init__(self, key_codec: Codec, value_codec: Codec, budget: FullPrecisionBudget):
+        self.budget = budget
+        self._traced = _traced(key_codec.fields, value_codec.fields, budget, writes=True)
+
+    def __call__(self, queries: mx.array, keys: mx.array, values: mx.array, row: int, signs: mx.array,
+                 buffers: Mapping[str, mx.array], fp: Mapping[str, mx.array], recent: tuple[int, ...], length: int,
+                 scale: float) -> tuple[mx.array, dict[str, mx.array]]:  # fmt: skip
+        """The output, and the written full-precision arrays (``fp_keys``, ``fp_values``), which
+        replace the cache's (updated in place: the cache lets go of the old ones). ``buffers``: the
+        slot buffers by name; ``recent``: the slot each ring row holds, this token's among them (it
+        is read from its row, never from codes)."""
+        out, fp_keys, fp_values = self._traced(
+            queries, keys, values, kernel_params((row,), mx.int32), signs, buffers["key_codes"],
+            buffers["key_scales"], buffers["value_codes"], buffers["value_scales"], fp["fp_keys"], fp["fp_values"],
+            kernel_params(recent, mx.int32), slot_params(length, self.budget, *held_range(recent)),
+            kernel_params((scale,), mx.float32),
+        )  # fmt: skip
+        return out, {"fp_keys": fp_keys, "fp_values": fp_values}
 
 
 @functools.cache
@@ -533,7 +544,7 @@ def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget,
     """``decode_attention_live`` over a layer's arrays, traced per shape, for one pair of
     codecs and full-precision budget (named by their fields, so every layer of a model
     shares it); with ``writes``, after writing a token into the full-precision rows
-    (``traced_decode_step``)."""
+    (``DecodeStep``)."""
     key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
 
     def graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,

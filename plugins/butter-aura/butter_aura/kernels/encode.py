@@ -16,14 +16,17 @@ not four (one kernel object per case: MLX fixes a kernel's outputs).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Mapping
+
 import mlx.core as mx
 
-from butter_core.plugin_api import Kernel, unstack
+from butter_core.plugin_api import Kernel, compile_by_shape, unstack
 
 from butter_aura.codec import SCALE_DTYPE, Codec
 from butter_aura.kernels.source import HELPERS
 from butter_aura.layout import BUFFERS, stacks_for
-from butter_aura.rotation import Rotation
+from butter_aura.rotation import Rotation, TracedRotation
 
 _BODY = """
   // Template: T (input dtype), S (scale dtype), D, KB/VB (bits), KG/VG (scale groups).
@@ -186,3 +189,36 @@ def encode_rows(
         output_dtypes=[mx.uint32] * len(code_shapes) + [SCALE_DTYPE],
     )
     return dict(zip(names, outputs))
+
+
+def traced_encode_into(storage: Mapping[str, mx.array], fp: Mapping[str, mx.array], rows: mx.array, slots: mx.array,
+                       signs: mx.array, key_codec: Codec, value_codec: Codec) -> dict[str, mx.array]:  # fmt: skip
+    """The codes of full-precision rows ``rows`` (of ``fp``'s ``fp_keys`` and ``fp_values``) written at
+    slots ``slots`` of ``storage`` (a cache's stacks and buffers, each whole: ``SlotBuffers.read(
+    stacked=True)``), as one call traced per shape (``compile_by_shape``): two gathers, the encode
+    and one scatter per stored array. What ``AuraCache`` runs on CUDA to write the codes of the
+    tokens a decode step deferred (every ring's worth of steps, in every layer), where the same
+    operations built one by one cost the host several times as much. ``rows`` and ``slots``: int32,
+    one entry per token (slots distinct). Returns the written storage, which replaces the cache's
+    (``SlotBuffers.replace``: updated in place once the cache lets go of the old arrays)."""
+    traced = _traced_encode_into(key_codec.fields, value_codec.fields, tuple(storage))
+    return dict(zip(storage, traced(fp["fp_keys"], fp["fp_values"], rows, slots, signs, *storage.values())))
+
+
+@functools.cache
+def _traced_encode_into(key_fields: tuple, value_fields: tuple, keys: tuple[str, ...]) -> Callable:
+    """``traced_encode_into`` for one pair of codecs (named by their fields, so every layer of a model
+    shares it) and storage keys (the stacks and buffers, in order)."""
+    key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
+
+    def graph(fp_keys, fp_values, rows, slots, signs, *stored):
+        coded = encode_rows(mx.take(fp_keys, rows, axis=2), mx.take(fp_values, rows, axis=2), TracedRotation(signs),
+                            key_codec, value_codec)  # fmt: skip
+        written = []
+        for key, array in zip(keys, stored):
+            axis = array.ndim - 2  # slots: axis 2 of a buffer, 3 of a stack
+            where = slots.reshape((1,) * axis + (-1, 1))
+            written.append(mx.put_along_axis(array, where, coded[key].astype(array.dtype), axis=axis))
+        return written
+
+    return compile_by_shape(graph)

@@ -24,7 +24,7 @@ from butter_aura import reference
 from butter_aura.codec import Codec
 from butter_aura.kernels import attention
 from butter_aura.layout import FullPrecisionBudget
-from butter_aura.rotation import Rotation
+from butter_aura.rotation import Rotation, TracedRotation
 from butter_aura.stored import StoredLayer
 
 
@@ -115,7 +115,7 @@ def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget,
             fp_keys=fp_keys, fp_values=fp_values, recent=np.full((batch, budget.ring), -1),
             recent_slots=recent_slots, params=params, sequence_rows=sequence_rows, table=table,
             lengths=[pages * page_size] * batch, page_size=page_size, budget=budget, key_codec=key_codec,
-            value_codec=value_codec, rotation=attention.TracedRotation(signs),
+            value_codec=value_codec, rotation=TracedRotation(signs),
         )  # the lengths plan the splits; each sequence's own is in params
         return attention.paged_decode_attention_live(queries, paged, params, scale)
 
