@@ -59,6 +59,27 @@ def test_paged_decode_matches_reference_under_the_emulators(emulated):
     assert result.passed, result
 
 
+DECODE_STEP_CHECK = next(c for c in KERNEL_CHECKS if c.name == "decode_step")
+
+
+@pytest.mark.skipif(not compiler_available(), reason="the emulators need g++ 12+ (_Float16)")
+@pytest.mark.parametrize("emulated", [emulated_metal, emulated_cuda], ids=["metal", "cuda"])
+@pytest.mark.parametrize("index", [0, 2, 5])  # float16 rows from float16 and float32 tokens; a window's ring
+def test_a_decode_steps_merge_writes_its_token_as_the_row_write_it_replaces(emulated, index):
+    """``decode_step_attention``'s merge kernel returns the full-precision rows with the token in its row,
+    equal to the slice assignment it replaces, and attends as the reference does after that write
+    (every case: ``python -m butter_core.kernels.cuda_emulator aura decode_step``, likewise
+    ``metal_emulator``)."""
+    case = DECODE_STEP_CHECK.cases[index]
+    inputs = checks.make_decode_step_inputs(11, **case)
+    with emulated():
+        _, fp_keys, fp_values = attention.decode_step_attention(**inputs)
+        result = DECODE_STEP_CHECK.check(seed=11, **case)
+    expected_keys, expected_values = checks.written_rows(inputs["keys"], inputs["values"], inputs["row"], inputs["stored"])
+    assert mx.array_equal(fp_keys, expected_keys).item() and mx.array_equal(fp_values, expected_values).item()
+    assert result.passed, result
+
+
 PAGED_MMA_CHECK = next(c for c in KERNEL_CHECKS if c.name == "paged_decode_attention_mma")
 
 
@@ -287,7 +308,8 @@ def test_a_decode_step_writes_its_ring_row_and_attends_in_one_call_as_the_calls_
             out_fused, out_plain = (c.update_and_attend(queries, keys, values, scale=scale) for c in (fused, plain))
             assert out_fused.dtype == dtype
             assert mx.array_equal(out_fused, out_plain).item(), step
-        taken = attention._traced(inner[0].key_codec.fields, inner[0].value_codec.fields, inner[0].budget, writes=True)
+        taken = attention._traced(inner[0].key_codec.fields, inner[0].value_codec.fields, inner[0].budget, writes=True,
+                                 scale=scale)
         assert taken.traces  # the fused cache's steps took the traced write
         flushed = encode._traced_encode_into(inner[0].key_codec.fields, inner[0].value_codec.fields,
                                              tuple(inner[0].slots.read(stacked=True)))  # fmt: skip

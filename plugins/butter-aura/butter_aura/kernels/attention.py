@@ -45,7 +45,6 @@ from butter_core.plugin_api import (
     compile_by_shape,
     gpu_backend,
     kernel_params,
-    slot_update,
     split_k,
     tensor_cores_available,
 )
@@ -216,6 +215,7 @@ _MERGE_BODY = """
   const int kv_head = static_cast<int>(head % q_heads) / (q_heads / kv_heads);
   const int64_t fp_base = $FP_BASE;  // row r of this head: fp_base + r * fp_stride
   const int64_t fp_stride = $FP_STRIDE;
+$TOKEN_ROW
   const int t = static_cast<int>(thread_idx.x);
   const int d = t % D;
   const int p = t / D;
@@ -243,7 +243,7 @@ _MERGE_BODY = """
 #pragma unroll
   for (int k = 0; k < ROWS_PER_PART; ++k) {
     const int r = p + k * PARTS;
-    v[k] = r < ROWS ? bt_to_float(fp_values[fp_base + r * fp_stride + d]) : 0.0f;
+    v[k] = r < ROWS ? AURA_FP_VALUE(r, d) : 0.0f;
   }
   float q[LANE_DIMS];
   float keys[ROWS_PER_WARP > 0 ? ROWS_PER_WARP * LANE_DIMS : 1];
@@ -256,7 +256,7 @@ _MERGE_BODY = """
     const int r = static_cast<int>(warp_id) + k * WARPS_HERE;
 #pragma unroll
     for (int i = 0; i < LANE_DIMS; ++i) {
-      keys[k * LANE_DIMS + i] = r < ROWS ? bt_to_float(fp_keys[fp_base + r * fp_stride + lane_id + i * BT_WARP_SIZE]) : 0.0f;
+      keys[k * LANE_DIMS + i] = r < ROWS ? AURA_FP_KEY(r, lane_id + i * BT_WARP_SIZE) : 0.0f;
     }
   }
   // The coded part: this part's share of the splits (rotated domain).
@@ -312,10 +312,44 @@ _MERGE_BODY = """
       out[head * D + first + i] = bt_from_float<T>(xi / li);
     }
   }
+$TOKEN_WRITE
 """
 """The merge of both decode kernels, with its sequence's expressions left open: ``$PARAMS_AT``,
-``$RECENT_AT`` and ``$RING`` (its ring's length), and where a head's full-precision rows lie:
-row ``r`` at ``$FP_BASE + r * $FP_STRIDE``."""
+``$RECENT_AT`` and ``$RING`` (its ring's length), where a head's full-precision rows lie: row ``r``
+at ``$FP_BASE + r * $FP_STRIDE``, and how they are read (``READ_ROWS``, ``WRITE_TOKEN``)."""
+
+READ_ROWS = {
+    "$TOKEN_ROW": """#define AURA_FP_KEY(r, x) bt_to_float(fp_keys[fp_base + (r) * fp_stride + (x)])
+#define AURA_FP_VALUE(r, x) bt_to_float(fp_values[fp_base + (r) * fp_stride + (x)])""",
+    "$TOKEN_WRITE": "",
+}
+"""The merge reads the full-precision rows as they are."""
+
+WRITE_TOKEN = {
+    "$TOKEN_ROW": """  // This step's token goes to row write_row (params' eighth element): read from new_keys/new_values
+  // ([B, kv_heads, 1, D]), rounded to the rows' dtype F as the row keeps it.
+  const int write_row = params[7];
+  const int64_t token_base = (static_cast<int64_t>(sequence) * kv_heads + kv_head) * D;
+#define AURA_FP_KEY(r, x) ((r) == write_row ? bt_to_float(bt_from_float<F>(bt_to_float(new_keys[token_base + (x)]))) \\
+                                            : bt_to_float(fp_keys[fp_base + (r) * fp_stride + (x)]))
+#define AURA_FP_VALUE(r, x) ((r) == write_row ? bt_to_float(bt_from_float<F>(bt_to_float(new_values[token_base + (x)]))) \\
+                                              : bt_to_float(fp_values[fp_base + (r) * fp_stride + (x)]))""",
+    "$TOKEN_WRITE": """  // The written rows: every threadgroup copies its share of them, the token's row from the token
+  // (MLX gives a kernel's outputs fresh memory, so the rows are copied whole: 2 x ROWS x D
+  // elements per KV head, where two scatters would cost a decode step two more operations).
+  {
+    const int64_t total = static_cast<int64_t>(fp_keys_shape[0]) * kv_heads * ROWS * D;
+    const int64_t stride = static_cast<int64_t>(queries_shape[0]) * q_heads * SPLITK_MERGE_THREADS;
+    for (int64_t i = head * SPLITK_MERGE_THREADS + t; i < total; i += stride) {
+      const bool token = static_cast<int>((i / D) % ROWS) == write_row;
+      const int64_t at = i / (static_cast<int64_t>(ROWS) * D) * D + i % D;
+      fp_keys_out[i] = token ? bt_from_float<F>(bt_to_float(new_keys[at])) : fp_keys[i];
+      fp_values_out[i] = token ? bt_from_float<F>(bt_to_float(new_values[at])) : fp_values[i];
+    }
+  }""",
+}
+"""The merge of a decode step (``decode_step_attention``): the step's token written into row ``params[7]``
+of copies of the full-precision rows (outputs ``fp_keys_out``, ``fp_values_out``) and read from there."""
 
 
 
@@ -338,7 +372,18 @@ _MERGE = Kernel(
     ),
     output_names=("out",),
     helpers=split_k.MERGE_HELPERS + HELPERS,
-    body=split_k.fill(_MERGE_BODY, DENSE),
+    body=split_k.fill(_MERGE_BODY, DENSE | READ_ROWS),
+)
+
+_MERGE_WRITING = Kernel(
+    name="butter_aura_decode_merge_writing",
+    input_names=(
+        "partial_acc", "partial_max", "partial_sum", "queries", "signs",
+        "fp_keys", "fp_values", "recent_slots", "params", "scale", "new_keys", "new_values",
+    ),
+    output_names=("out", "fp_keys_out", "fp_values_out"),
+    helpers=split_k.MERGE_HELPERS + HELPERS,
+    body=split_k.fill(_MERGE_BODY, DENSE | WRITE_TOKEN),
 )
 
 _PAGED_PARTIALS = Kernel(
@@ -360,7 +405,7 @@ _PAGED_MERGE = Kernel(
     ),
     output_names=("out",),
     helpers=split_k.MERGE_HELPERS + HELPERS,
-    body=split_k.fill(_MERGE_BODY, PAGED),
+    body=split_k.fill(_MERGE_BODY, PAGED | READ_ROWS),
 )
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -402,6 +447,13 @@ def slot_params(length: int, budget: FullPrecisionBudget, lo: int, hi: int) -> m
     return kernel_params((length, sinks, recent, lo, hi, base, tail), mx.int32)
 
 
+def step_params(length: int, budget: FullPrecisionBudget, lo: int, hi: int, row: int) -> mx.array:
+    """``slot_params`` and, eighth, the full-precision row a decode step's token is written into
+    (``decode_step_attention``): one input where two would cost each layer's call more."""
+    sinks, recent, base, tail = budget.params()
+    return kernel_params((length, sinks, recent, lo, hi, base, tail, row), mx.int32)
+
+
 def _check_decode(queries: mx.array, stored: StoredLayer) -> None:
     batch, q_heads, tokens, dims = queries.shape
     kv_heads, length = stored.key_codes.shape[1], stored.length
@@ -419,41 +471,59 @@ def decode_attention_live(
     *,
     method: str | None = None,
     splits: int | None = None,
+    token: tuple[mx.array, mx.array] | None = None,
     **tunables,
-) -> mx.array:
+) -> mx.array | tuple[mx.array, mx.array, mx.array]:
     """``decode_attention`` with what changes from step to step as device arrays: ``params``
     (``live_params``) and the scale (float32, one element). The splits are planned for
     ``stored.length`` keys, which need not be the live length (``traced_decode_attention``
-    plans for every allocated slot); nothing else of the call depends on the step."""
+    plans for every allocated slot); nothing else of the call depends on the step.
+
+    With ``token`` (keys and values ``[B, kv_heads, 1, D]``; ``params`` then has an eighth element,
+    the row: ``step_params``), ``decode_step_attention``: the token written into that full-precision
+    row first; returns the output and the written ``fp_keys`` and ``fp_values``."""
     method = _method(method, queries, stored)
     if method == "mma":
-        partial_acc, partial_max, partial_sum = attention_mma.partials(
-            queries, stored, params, scale_array, splits=splits, **tunables
-        )
+        partials = attention_mma.partials(queries, stored, params, scale_array, splits=splits, **tunables)
     elif method == "simt":
-        partial_acc, partial_max, partial_sum = _simt_partials(
-            queries, stored, params, scale_array, splits=splits, **tunables
-        )
-    return _merge(_MERGE, [partial_acc, partial_max, partial_sum], queries, stored, params, scale_array, [],
-                  stored.fp_keys.shape[2])
+        partials = _simt_partials(queries, stored, params, scale_array, splits=splits, **tunables)
+    if token is None:
+        return _merge(_MERGE, partials, queries, stored, params, scale_array, [], stored.fp_keys.shape[2])
+    return _merge(_MERGE_WRITING, partials, queries, stored, params, scale_array, list(token), stored.fp_keys.shape[2])
+
+
+def decode_step_attention(queries: mx.array, keys: mx.array, values: mx.array, row: int, stored: StoredLayer,
+                          scale: float, **options) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """A decode step's token written into full-precision row ``row`` (``stored.fp_keys``, ``stored.fp_values``
+    hold the rows before it; ``stored.recent_slots`` says which slot each ring row holds, the token's
+    among them), then ``decode_attention`` over the result, the write done by the merge kernel
+    (``WRITE_TOKEN``) rather than by two scatters before it. Returns the output and the written
+    ``fp_keys`` and ``fp_values``. ``options``: ``decode_attention``'s ``method`` and ``splits``."""
+    _check_decode(queries, stored)
+    params = step_params(stored.length, stored.budget, *stored.recent_range(), row)
+    return decode_attention_live(queries, stored, params, kernel_params((scale,), mx.float32), token=(keys, values),
+                                 **options)  # fmt: skip
 
 
 def _merge(kernel: Kernel, partials: list[mx.array], queries: mx.array, stored, params: mx.array, scale: mx.array,
-           extra: list[mx.array], rows: int) -> mx.array:
-    """Either merge kernel's launch (``stored``: a ``StoredLayer`` or a ``paged.PagedStored``)."""
+           extra: list[mx.array], rows: int) -> mx.array | tuple[mx.array, mx.array, mx.array]:
+    """Either merge kernel's launch (``stored``: a ``StoredLayer`` or a ``paged.PagedStored``), or the
+    writing merge's (``_MERGE_WRITING``: also the written full-precision rows)."""
     batch, q_heads, _, dims = queries.shape
     split_k.check_merge(partials[1].shape[2], dims)
     threads = split_k.MERGE_THREADS
-    (out,) = kernel(
+    writes = kernel is _MERGE_WRITING
+    fp = [stored.fp_keys, stored.fp_values] if writes else []
+    outputs = kernel(
         inputs=[*partials, queries, stored.rotation.signs, stored.fp_keys, stored.fp_values, stored.recent_slots,
                 params, scale, *extra],
         template=[("T", queries.dtype), ("F", stored.fp_keys.dtype), ("D", dims), ("ROWS", rows)],
         grid=(threads * batch * q_heads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[queries.shape],
-        output_dtypes=[queries.dtype],
+        output_shapes=[queries.shape, *(a.shape for a in fp)],
+        output_dtypes=[queries.dtype, *(a.dtype for a in fp)],
     )
-    return out
+    return tuple(outputs) if writes else outputs[0]
 
 
 def _method(method: str | None, queries: mx.array, stored) -> str:
@@ -509,9 +579,9 @@ def traces() -> bool:
 
 class DecodeStep:
     """A cache's decode step where calls are traced (``traces``), for a deferred token (its codes
-    written later) bound for full-precision row ``row``: the token written into the full-precision
-    rows at that row (``slot_update``) and ``traced_decode_attention`` over the result, in one
-    traced call (``AuraCache.decode_step``).
+    written later) bound for full-precision row ``row``: ``decode_step_attention`` (the token
+    written into the full-precision rows at that row by the merge kernel, and attention over the
+    result) as one traced call (``AuraCache.decode_step``): two kernels a layer.
 
     Made once per cache, so a step hands over only what changes: no ``StoredLayer`` is made and
     nothing fixed is checked again (the cache's head size is one the kernels serve: ``ops_for``;
@@ -520,49 +590,49 @@ class DecodeStep:
 
     def __init__(self, key_codec: Codec, value_codec: Codec, budget: FullPrecisionBudget):
         self.budget = budget
-        self._traced = _traced(key_codec.fields, value_codec.fields, budget, writes=True)
+        self._fields = key_codec.fields, value_codec.fields
+        self._scale, self._traced = None, None
 
     def __call__(self, queries: mx.array, keys: mx.array, values: mx.array, row: int, signs: mx.array,
                  buffers: Mapping[str, mx.array], fp: Mapping[str, mx.array], recent: tuple[int, ...], length: int,
                  scale: float) -> tuple[mx.array, dict[str, mx.array]]:  # fmt: skip
         """The output, and the written full-precision arrays (``fp_keys``, ``fp_values``), which
-        replace the cache's (updated in place: the cache lets go of the old ones). ``buffers``: the
-        slot buffers by name; ``recent``: the slot each ring row holds, this token's among them (it
-        is read from its row, never from codes)."""
+        replace the cache's (the old ones are the cache's to let go). ``buffers``: the slot buffers by
+        name; ``recent``: the slot each ring row holds, this token's among them (it is read from its
+        row, never from codes)."""
+        if scale != self._scale:  # the scale is a constant of the trace: one input fewer a call
+            self._scale, self._traced = scale, _traced(*self._fields, self.budget, writes=True, scale=scale)
         out, fp_keys, fp_values = self._traced(
-            queries, keys, values, kernel_params((row,), mx.int32), signs, buffers["key_codes"],
-            buffers["key_scales"], buffers["value_codes"], buffers["value_scales"], fp["fp_keys"], fp["fp_values"],
-            kernel_params(recent, mx.int32), slot_params(length, self.budget, *held_range(recent)),
-            kernel_params((scale,), mx.float32),
+            queries, keys, values, signs, buffers["key_codes"], buffers["key_scales"], buffers["value_codes"],
+            buffers["value_scales"], fp["fp_keys"], fp["fp_values"], kernel_params(recent, mx.int32),
+            step_params(length, self.budget, *held_range(recent), row),
         )  # fmt: skip
         return out, {"fp_keys": fp_keys, "fp_values": fp_values}
 
 
 @functools.cache
-def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget,
-            writes: bool = False) -> Callable[..., mx.array]:  # fmt: skip
+def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget, writes: bool = False,
+            scale: float | None = None) -> Callable[..., mx.array]:  # fmt: skip
     """``decode_attention_live`` over a layer's arrays, traced per shape, for one pair of
     codecs and full-precision budget (named by their fields, so every layer of a model
-    shares it); with ``writes``, after writing a token into the full-precision rows
-    (``DecodeStep``)."""
+    shares it); with ``writes``, writing a token into the full-precision rows as it attends
+    (``DecodeStep``, ``decode_step_attention``), at ``scale`` (a constant of the trace)."""
     key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
 
     def graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,
-              params, scale):
+              params, scale, *token):
         stored = StoredLayer(
             key_codes=key_codes, key_scales=key_scales, value_codes=value_codes, value_scales=value_scales,
             fp_keys=fp_keys, fp_values=fp_values, recent_slots=recent_slots, length=key_codes.shape[2],
             budget=budget, key_codec=key_codec, value_codec=value_codec, rotation=TracedRotation(signs),
         )
-        return decode_attention_live(queries, stored, params, scale)
+        return decode_attention_live(queries, stored, params, scale, token=token or None)
 
-    def write_then_attend(queries, keys, values, row, signs, key_codes, key_scales, value_codes, value_scales, fp_keys,
-                          fp_values, recent_slots, params, scale):
-        fp_keys = slot_update(fp_keys, keys.astype(fp_keys.dtype), row, axis=2)
-        fp_values = slot_update(fp_values, values.astype(fp_values.dtype), row, axis=2)
-        out = graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,
-                    params, scale)
-        return out, fp_keys, fp_values
+    if writes:
+        scale_array = kernel_params((scale,), mx.float32)  # made here: a trace keeps what it captures
+
+        def write_then_attend(queries, keys, values, *arrays):
+            return graph(queries, *arrays, scale_array, keys, values)
 
     return compile_by_shape(write_then_attend if writes else graph)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -114,6 +115,48 @@ def make_stored(
     )
     queries = mx.random.normal((batch, q_heads, 1, head_dim), key=k_q).astype(dtype)
     return {"queries": queries, "stored": stored, "scale": head_dim**-0.5}
+
+
+def make_decode_step_inputs(seed: int, **sizes) -> dict:
+    """``make_stored``'s layer and a decode step's token: random keys and values bound for the ring row
+    of the newest slot (``recent_end - 1``, default ``length - 1``), which the ring says it holds (as
+    the step's ring bookkeeping left it), and that row (``row``). The row still holds another vector,
+    so a merge that read it instead of the token would show."""
+    inputs = make_stored(seed, **sizes)
+    stored = inputs["stored"]
+    slot = sizes.get("recent_end", stored.length) - 1
+    index = stored.budget.ring_index(slot)
+    if index is None:
+        raise ValueError(f"slot {slot} has no ring row in {stored.budget}: a decode step's token needs one")
+    recent = stored.recent_slots.tolist()
+    recent[index] = slot
+    stored = attrs.evolve(stored, recent_slots=mx.array(recent, dtype=mx.int32))
+    batch, heads, _, dims = stored.fp_keys.shape
+    k_k, k_v = _keys(seed + 1, 2)
+    dtype = inputs["queries"].dtype
+    keys = mx.random.normal((batch, heads, 1, dims), key=k_k).astype(dtype)
+    values = mx.random.normal((batch, heads, 1, dims), key=k_v).astype(dtype)
+    return {**inputs, "stored": stored, "keys": keys, "values": values, "row": stored.budget.sinks + index}
+
+
+def decode_step_kernel(queries, keys, values, row, stored, scale) -> mx.array:
+    """``attention.decode_step_attention``'s output (its written rows: ``written_rows``)."""
+    return attention.decode_step_attention(queries, keys, values, row, stored, scale)[0]
+
+
+def written_rows(keys, values, row, stored) -> tuple[mx.array, mx.array]:
+    """The full-precision rows with the token written into row ``row`` as ``AuraCache`` writes a ring
+    row (``astype``, slice assignment): what ``decode_step_attention`` must return beside its output."""
+    fp_keys, fp_values = mx.array(stored.fp_keys), mx.array(stored.fp_values)
+    fp_keys[:, :, row : row + 1] = keys.astype(fp_keys.dtype)
+    fp_values[:, :, row : row + 1] = values.astype(fp_values.dtype)
+    return fp_keys, fp_values
+
+
+def decode_step_reference(queries, keys, values, row, stored, scale) -> mx.array:
+    """``reference.decode_attention`` after the token's write (``written_rows``)."""
+    fp_keys, fp_values = written_rows(keys, values, row, stored)
+    return reference.decode_attention(queries, attrs.evolve(stored, fp_keys=fp_keys, fp_values=fp_values), scale)
 
 
 def make_encode_inputs(
@@ -260,6 +303,23 @@ KERNEL_CHECKS: tuple[KernelCheck, ...] = (
             {"length": 48, "allocated": 48, "ring_start": 4, "recent_end": 10, "dtype": mx.float16},
             {"length": 120, "allocated": 120, "ring_start": 0, "recent_end": 119, "head_dim": 64, "key_bits": 8},
             {"length": 200, "allocated": 200, "ring_start": 10, "recent_end": 30, "head_dim": 64},
+        ),
+        rtol=ATTENTION_RTOL,
+    ),
+    KernelCheck(
+        # A decode step's token written by the merge kernel into the row it reads (its tensor-core
+        # partials on CUDA where they serve, else the SIMT ones), windows' rings included.
+        name="decode_step",
+        kernel=decode_step_kernel,
+        reference=decode_step_reference,
+        make_inputs=make_decode_step_inputs,
+        cases=(
+            {"length": 30, "allocated": 64, "dtype": mx.float16},
+            {"length": 200, "allocated": 256},
+            {"length": 257, "allocated": 300, "dtype": mx.float32, "head_dim": 64, "key_bits": 8, "value_bits": 4},
+            {"length": 5000, "allocated": 6000, "q_heads": 32, "kv_heads": 8, "batch": 2, "encoded": False},
+            {"length": 600, "allocated": 700, "q_heads": 6, "kv_heads": 3, "head_dim": 64, "sinks": 2, "recent": 5},
+            {"length": 48, "allocated": 48, "ring_start": 4, "recent_end": 10, "dtype": mx.float16},
         ),
         rtol=ATTENTION_RTOL,
     ),
