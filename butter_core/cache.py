@@ -21,12 +21,14 @@ stored slots does not depend on slot order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal
 
 import attrs
 import mlx.core as mx
 
 from butter_core import cpu_attention
+from butter_core.compiled import traced
 from butter_core.errors import ConfigError
 
 Mask = None | Literal["causal"] | mx.array
@@ -136,6 +138,19 @@ def attend(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
         queries.astype(wide), keys.astype(wide), values.astype(wide), scale=scale, mask=mask
     )
     return out.astype(queries.dtype)
+
+
+@attrs.frozen
+class StepCall:
+    """A cache's decode step for one token as a pure function of arrays, for its caller to run traced
+    (``SlotCache.step_call``): ``fn(queries, keys, values, *inputs)`` returns the attention's output,
+    then the arrays that replace the cache's, which ``take`` is handed. ``fn`` is one object for every
+    layer and step it serves (its traces are shared: ``compiled.traced``), and the cache's own
+    bookkeeping for the token is done when it hands out the call, so the call must be run."""
+
+    fn: Callable[..., tuple[mx.array, ...]]
+    inputs: tuple[mx.array, ...]
+    take: Callable[[Sequence[mx.array]], None]
 
 
 class LayerCache(ABC):
@@ -304,32 +319,46 @@ class SlotCache(AttentionCache):
         ``mask``: the one call a forward makes into a scheme per layer (``update_and_attend``, and
         the window decorator while its slots hold its positions in order or it takes one token).
 
-        The default takes ``decode_step`` for one token where the scheme has one, else writes, then
-        calls ``attention``. A scheme overrides it to do both in one place for a chunk too: attend
-        to a chunk from the rows as they arrived rather than decoding what it just encoded
-        (butter-aura).
+        The default takes ``step_call`` for one token where the scheme has one (run traced), else
+        writes, then calls ``attention``. A scheme overrides it to do both in one place for a chunk
+        too: attend to a chunk from the rows as they arrived rather than decoding what it just
+        encoded (butter-aura).
         """
         tokens = keys.shape[2]
         self._check_write(start, tokens)
         if mask is None and tokens == 1 and queries.shape[2] == 1:
             live = max(self._length, start + 1)
-            out = self.decode_step(start, keys, values, position, queries, live, scale)
-            if out is not None:
+            call = self.step_call(start, position, live, scale, keys.dtype)
+            if call is not None:
+                out, *written = traced(call.fn)(queries, keys, values, *call.inputs)
+                call.take(written)
                 self._length = live
                 return out
         self._store_checked(start, keys, values, position)
         return self.attention(queries, scale=scale, mask=mask)
 
-    def decode_step(
-        self, start: int, keys: mx.array, values: mx.array, position: int, queries: mx.array, live: int, scale: float
-    ) -> mx.array | None:  # fmt: skip
-        """Optional: one token's ``store`` and ``attention`` in one place, the slots ``[0, live)`` live
-        after it (the write was checked), or None to take that path. A decode step on a GPU is bound
-        by the host, so a scheme whose write and attention are kernels does better with them in one
-        traced call (``compile_by_shape``) than with a call and a slice assignment each: its
-        buffers given to the trace and written there (``slots.slot_update``), then replaced by the
-        trace's outputs (``SlotBuffers.replace``), which updates them in place."""
+    def step_call(self, start: int, position: int, live: int, scale: float, dtype: mx.Dtype) -> StepCall | None:
+        """Optional: one token's ``store`` at slot ``start`` (position ``position``; keys and values of
+        ``dtype``; the write was checked) and ``attention`` over the slots ``[0, live)`` after it, as a
+        ``StepCall``, or None to take that path. A decode step on a GPU is bound by the host, so a
+        scheme whose write and attention are kernels does better with them in one traced call than
+        with a call and a slice assignment each: its buffers among the call's inputs and written
+        there (``slots.slot_update``, or by its kernel), then replaced by the outputs
+        (``SlotBuffers.replace``), which updates them in place. A decoder block traces the call
+        together with its own work around the cache (``decode_call``, ``models.traced``)."""
         return None
+
+    def decode_call(self, scale: float, dtype: mx.Dtype) -> StepCall | None:
+        """``update_and_attend`` of one token (keys and values of ``dtype``) as a ``StepCall``
+        (``step_call``), for a caller that traces it with work of its own (a decoder block's decode
+        step, ``models.traced``); None where the scheme has none. The token is counted as the call is
+        handed out."""
+        start = self._length
+        self._check_write(start, 1)
+        call = self.step_call(start, start, start + 1, scale, dtype)
+        if call is not None:
+            self._length = start + 1
+        return call
 
     # -- the LayerCache API, built on the primitives ----------------------------
 

@@ -80,3 +80,10 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP, afte
     """Traces made so far, those dropped included: shapes that churn show as many more than kept."""
     return call
 
+
+
+@functools.cache
+def traced(fn: Callable[..., tuple]) -> Callable:
+    """``compile_by_shape(fn)``, one per function: what runs a scheme's ``StepCall`` (``SlotCache.step_call``),
+    whose function every layer of a model shares, and so its traces."""
+    return compile_by_shape(fn)

@@ -8,7 +8,7 @@ keeps every name the guide documents importable.
 - The attention contract: ``LayerCache`` (what every layer's cache has),
   ``AttentionCache`` (what a model's attention calls), ``SlotCache`` (what an attention
   scheme subclasses), ``BufferedSlotCache`` and ``SlotBuffers`` (storage grown in steps),
-  ``LayerSpec``, ``check_chunk``, ``attend`` and ``reference_attention``; ``gather_pages`` and
+  ``StepCall`` (a decode step as one traced call), ``LayerSpec``, ``check_chunk``, ``attend`` and ``reference_attention``; ``gather_pages`` and
   ``live_mask`` for the references of paged decode kernels and ``SequenceState`` with
   ``Written`` for state a scheme keeps per sequence beside the pages (``butter_core.batched``).
 - The recurrent contract: ``StateCache`` (what a recurrent scheme subclasses),
@@ -34,6 +34,7 @@ from butter_core.cache import (
     Mask,
     SlotCache,
     Snapshot,
+    StepCall,
     attend,
     check_chunk,
     reference_attention,
@@ -93,6 +94,7 @@ __all__ = [
     "Snapshot",
     "Stacks",
     "StateCache",
+    "StepCall",
     "StateSpec",
     "attend",
     "check_chunk",

@@ -37,7 +37,7 @@ written with one slice assignment instead of one per buffer."""
 def slot_update(buffer: mx.array, rows: mx.array, slot: mx.array, axis: int) -> mx.array:
     """``buffer`` with ``rows`` (one slot's: size 1 on ``axis``) at slot ``slot[0]`` of ``axis``
     (``slot`` a one-element int32 array, so a trace serves every slot): the write inside a
-    scheme's traced decode step (``SlotCache.decode_step``). Through ``mx.put_along_axis``,
+    scheme's traced decode step (``SlotCache.step_call``). Through ``mx.put_along_axis``,
     one scatter kernel on CUDA, where ``mx.slice_update`` at an array's slot launches two (the
     offset, then the copy); either updates in place when ``buffer`` is donated (its holder has
     let go of it: ``SlotBuffers.replace``)."""
@@ -178,7 +178,7 @@ class SlotBuffers:
 
     def replace(self, storage: dict[str, mx.array]) -> None:
         """Take ``storage`` as the buffers: what ``read(stacked=True)`` gave, after a function wrote
-        rows into it (a scheme's ``SlotCache.decode_step``), each array its old shape and dtype (the keys
+        rows into it (a scheme's ``SlotCache.step_call``), each array its old shape and dtype (the keys
         are checked; shapes are the caller's, on a decode step's host path). The
         arrays given before are no longer this storage's, so a write into them updated in place."""
         if storage.keys() != self._storage.keys():

@@ -95,7 +95,7 @@ def test_views_are_kept_until_a_write_and_do_not_stop_it_writing_in_place():
 
 
 def test_a_traced_write_replaces_the_storage_in_place():
-    """A scheme's ``decode_step`` writes its token inside a compiled function (``slot_update``, at a
+    """A scheme's ``step_call`` writes its token inside a compiled function (``slot_update``, at a
     slot read from an array) and hands the outputs to ``replace``: the storage is updated in
     place (the old arrays donated to the write), the next ``read`` shows the token, and storage
     of other keys is refused by name."""

@@ -24,7 +24,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask
+from butter_core.cache import AttentionCache, LayerCache, LayerSpec, Mask, StepCall
 from butter_core.config import Window
 from butter_core.errors import ModelLoadError
 from butter_core.models import traced
@@ -249,6 +249,14 @@ def attend_through(
     return cache.update_and_attend(q, k, v, scale=scale)
 
 
+def decode_call(cache: AttentionCache, scale: float, dtype: mx.Dtype) -> StepCall | None:
+    """``cache``'s step for one token as a ``StepCall`` (``SlotCache.decode_call``; the keys and values a
+    block computes are in its hidden states' ``dtype``), None where the cache hands none out (a
+    scheme without ``step_call``, a decorator, batched storage)."""
+    hand_out = getattr(cache, "decode_call", None)
+    return None if hand_out is None else hand_out(scale, dtype)
+
+
 def heads(rows: mx.array, batch: int, count: int) -> mx.array:
     """Projected rows ``[batch * tokens, count * head_dim]`` as ``[batch, count, tokens, head_dim]``:
     one reshape for one token a sequence (an axis of one entry moves freely), else a reshape and
@@ -375,7 +383,13 @@ class Block(nn.Module):
     def __call__(self, x: mx.array, cache: AttentionCache | None, mask: Mask = "causal") -> mx.array:
         step = self.traced_decode(x, cache)
         if step is not None:
-            q, k, v = step.before(x, traced.rope_offset(cache.absolute_position))
+            offset = traced.rope_offset(cache.absolute_position)
+            call = decode_call(cache, self.self_attn.scale, x.dtype)
+            if call is not None:
+                out, *written = step.with_cache(call.fn)(x, offset, *call.inputs)
+                call.take(written)
+                return out
+            q, k, v = step.before(x, offset)
             return step.after(attend_through(cache, q, k, v, scale=self.self_attn.scale, mask=mask), x)
         return self.feed_forward(self.self_attn(self.input_layernorm(x), cache, mask, residual=x))
 

@@ -1,4 +1,4 @@
-"""A decoder block's decode step as two traced calls around its cache.
+"""A decoder block's decode step as two traced calls around its cache, or one with it.
 
 A decode step on a GPU is bound by the host (docs/benchmarks.md, issue 32): every MLX operation
 a layer builds costs host time, and a Llama or Qwen3 block builds about a dozen around its
@@ -42,16 +42,35 @@ leave runs op by op rather than pay for a trace it would not use again."""
 class TracedDecode:
     """The traced halves of one block's decode step: ``before`` (hidden states and RoPE offsets in,
     RoPE'd queries and keys and the values out) and ``after`` (the attention's output and the
-    block's input in, the block's output out)."""
+    block's input in, the block's output out); and, where the cache hands its step out as a
+    ``StepCall`` (``SlotCache.decode_call``), the whole step as one trace (``with_cache``)."""
 
     def __init__(self, block: nn.Module):
         self.before: Callable = compile_by_shape(block.before_cache, keep=KEEP, after=AFTER)
         self.after: Callable = compile_by_shape(block.after_cache, keep=KEEP, after=AFTER)
+        self._halves = block.before_cache, block.after_cache
+        self._whole: dict[Callable, Callable] = {}
         read = [(module, name, value) for _, module in block.named_modules() for name, value in module.items()
                 if isinstance(value, mx.array)]  # fmt: skip
         self._modules = tuple(module for module, _, _ in read)
         self._names = tuple(name for _, name, _ in read)
         self._read = tuple(id(array) for _, _, array in read)
+
+    def with_cache(self, function: Callable) -> Callable:
+        """``before``, a cache's step ``function`` (a ``StepCall``'s: queries, keys and values, then the
+        call's inputs; the output, then the arrays it wrote) and ``after`` as one trace per shape:
+        ``(x, offset, *inputs) -> (block output, *written)``. One replay a layer where the halves and
+        the cache's own trace take three, on a decode step that a GPU's host sets the pace of."""
+        whole = self._whole.get(function)
+        if whole is None:
+            before, after = self._halves
+
+            def step(x, offset, *inputs):
+                out, *written = function(*before(x, offset), *inputs)
+                return (after(out, x), *written)
+
+            whole = self._whole[function] = compile_by_shape(step, keep=KEEP, after=AFTER)
+        return whole
 
     def current(self) -> bool:
         """Whether every parameter array the traces read is still the block's. That covers the fused

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, PrefillPipeline, kernel_params
+from butter_core.plugin_api import BufferedSlotCache, LayerSpec, Mask, PrefillPipeline, StepCall, kernel_params
 
 from butter_affine.kind import Affine
 from butter_affine.ops import AffineOps, decode_kernel, select_ops
@@ -26,7 +26,7 @@ class AffineCache(BufferedSlotCache):
     hands its output to ``pipeline`` (shared by the layers of one model; None: no
     bound) so that few layers' dequantized K/V exist at once (``butter_core.working_set``);
     single-token attention uses the fastest path of this backend (``ops``), on CUDA with the
-    token's write in the same traced call (``decode_step``). In batched storage
+    token's write in the same traced call (``step_call``). In batched storage
     (``butter_core.batched``) on a GPU, a decode step reads every sequence's codes in place
     through its page table (``kernels.decode_mma.paged_decode_attention_stacks`` on CUDA's tensor
     cores where it serves the format, reading the storage's two stacks whole, else
@@ -65,15 +65,18 @@ class AffineCache(BufferedSlotCache):
             return self.decode(self.slots.read(0))
         return self.ops.dequantize(self.slots.read(), length)
 
-    def decode_step(self, start, keys, values, position, queries, live, scale):
+    def step_call(self, start, position, live, scale, dtype):
         step = self.ops.decode_step
         if step is None:
             return None
         self.slots.reserve(start + 1, live=self.length)
-        out, stacks = step(queries, keys, values, self.slots.read(stacked=True), kernel_params((start,), mx.int32),
-                           kernel_params((live,), mx.int32), kernel_params((scale,), mx.float32))
-        self.slots.replace(stacks)
-        return out
+        storage = self.slots.read(stacked=True)
+        return StepCall(step, (storage["codes"], storage["scales_biases"], kernel_params((start,), mx.int32),
+                               kernel_params((live,), mx.int32), kernel_params((scale,), mx.float32)), self._take)
+
+    def _take(self, written) -> None:
+        """The stacks a ``step_call`` wrote, as the storage."""
+        self.slots.replace(dict(zip(STACKS, written)))
 
     def attention(self, queries, *, scale: float, mask: Mask):
         if queries.shape[2] == 1 and mask is None and self.ops.decode is not None:

@@ -66,8 +66,9 @@ Buffers = dict[str, mx.array]
 Quantize = Callable[[mx.array, mx.array], Buffers]
 Dequantize = Callable[[Buffers, int], tuple[mx.array, mx.array]]
 Decode = Callable[[mx.array, Buffers, int, float], mx.array]
-DecodeStep = Callable[[mx.array, mx.array, mx.array, Buffers, mx.array, mx.array, mx.array], tuple[mx.array, Buffers]]
-"""``(queries, keys, values, stacks, start, live, scale) -> (out, stacks)``: ``kernel_decode_step``."""
+DecodeStep = Callable[..., tuple[mx.array, mx.array, mx.array]]
+"""``(queries, keys, values, codes, scales_biases, start, live, scale) -> (out, codes, scales_biases)``:
+``kernel_decode_step``."""
 
 
 @attrs.frozen
@@ -77,9 +78,9 @@ class AffineOps:
     ``dequantize(buffers, length)`` -> live keys and values, from the buffers by name;
     ``decode(queries, stacks, length, scale)`` -> single-token attention, from the two
     stacks (``SlotBuffers.read(stacked=True)``), or None to dequantize and use SDPA;
-    ``decode_step``, where there is one, the append and ``decode`` of one token in one call
-    (``AffineCache.decode_step``). Each gets the cache's whole arrays; no function needs a
-    slice of them."""
+    ``decode_step``, where there is one, the append and ``decode`` of one token as one function of
+    arrays, run traced (``AffineCache.step_call``). Each gets the cache's whole arrays; no function
+    needs a slice of them."""
 
     name: str
     quantize: Quantize
@@ -173,15 +174,15 @@ def shared_kernel_decode(tensor_cores: bool) -> Decode:
 
 @cache
 def kernel_decode_step(fmt: PackedFormat, tensor_cores: bool) -> DecodeStep:
-    """A decode step's append and attention as one trace per buffer shape, shared by every
-    layer's cache (``AffineCache.decode_step``): ``quantize_kv`` of the token, its rows written
-    into the two stacks at slot ``start`` (``slot_update``) (a device array, as are the
-    live length ``live`` and ``scale``), then the fused decode kernel over the written
-    stacks, whose outputs replace the cache's. One replay a layer where ``traced_quantize``,
-    two slice assignments and ``kernel_decode`` take four calls (measurements:
-    docs/benchmarks.md, "Issue 32, ninth session")."""
+    """A decode step's append and attention as one function of arrays, which a cache's caller runs
+    traced (``AffineCache.step_call``; one function for every layer's cache, so their traces are
+    shared): ``quantize_kv`` of the token, its rows written into the two stacks at slot ``start``
+    (``slot_update``) (a device array, as are the live length ``live`` and ``scale``), then the
+    fused decode kernel over the written stacks, whose outputs replace the cache's. One replay a
+    layer where ``traced_quantize``, two slice assignments and ``kernel_decode`` take four calls
+    (measurements: docs/benchmarks.md, "Issue 32, ninth session")."""
 
-    def graph(queries, keys, values, codes, scales_biases, start, live, scale):
+    def decode_step(queries, keys, values, codes, scales_biases, start, live, scale):
         rows = quantize.quantize_kv(keys.astype(fmt.dtype), values.astype(fmt.dtype), bits=fmt.bits,
                                     group_size=fmt.group_size)
         codes = slot_update(codes, rows["codes"], start, axis=3)
@@ -189,15 +190,7 @@ def kernel_decode_step(fmt: PackedFormat, tensor_cores: bool) -> DecodeStep:
         out = _decode_graph(queries, codes, scales_biases, live, scale, tensor_cores=tensor_cores)
         return out.astype(queries.dtype), codes, scales_biases
 
-    traced = compile_by_shape(graph)
-
-    def step(queries, keys, values, storage, start, live, scale):
-        out, codes, scales_biases = traced(queries, keys, values, storage["codes"], storage["scales_biases"], start,
-                                           live, scale)
-        return out, {"codes": codes, "scales_biases": scales_biases}
-
-    step.traces = traced.traces
-    return step
+    return decode_step
 
 
 @cache

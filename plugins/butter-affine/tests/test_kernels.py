@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from butter_core.compiled import traced
 from butter_core.cpu_attention import softmax_for
 from butter_core.kernels import backend, gpu_backend, recorded_builds, relative_error, split_k
 from butter_core.kernels.backend import standing_in_for_gpu
@@ -447,7 +448,7 @@ def test_a_decode_step_writes_and_attends_in_one_call_as_the_calls_it_replaces(d
             assert out_fused.dtype == dtype
             assert mx.array_equal(out_fused, out_plain).item(), step
         assert fused.inner.slots.allocated > 256
-        assert fused.inner.ops.decode_step.traces  # the steps took it
+        assert traced(fused.inner.ops.decode_step).traces  # the steps took it
         stored_fused, stored_plain = (c.inner.slots.read(stacked=True) for c in (fused, plain))
         for name in STACKS:
             assert mx.array_equal(stored_fused[name], stored_plain[name]).item(), name

@@ -89,7 +89,7 @@ class AuraCache(BufferedSlotCache):
         self._unencoded: set[int] = set()
         """Recent-ring slots whose codes are not written yet (``store``); each is in the ring."""
         self._step = None
-        """What runs a decode step in one traced call (``decode_step``), once made."""
+        """What makes a decode step's call (``step_call``), once made."""
 
     # -- storage ---------------------------------------------------------------
 
@@ -129,7 +129,7 @@ class AuraCache(BufferedSlotCache):
         codes are those of the ring's copy: for 16-bit models the token itself, so those an
         immediate encode would write; for float32 models its float16 copy, the copy attention
         read while the token was in the ring (``_deferred_row``)."""
-        index = self._deferred_row(start, keys, position)
+        index = self._deferred_row(start, keys.shape[2], keys.dtype, position)
         if index is not None:
             self._defer(index, start, position)
             self._copy_to_ring_row(index, keys, values)
@@ -139,7 +139,7 @@ class AuraCache(BufferedSlotCache):
             self.slots.write(start, rows, live=self.length)
             self._keep_full_precision(start, keys, values, position)
 
-    def decode_step(self, start, keys, values, position, queries, live, scale):
+    def step_call(self, start, position, live, scale, dtype):
         """Where calls are traced (``kernels.attention.traces``), a deferred token (``store``) is
         written into its ring row and attended to in one call (``GPU_OPS.decode_step``, made at the
         first step)."""
@@ -150,13 +150,16 @@ class AuraCache(BufferedSlotCache):
             if make is None:
                 return None
             self._step = make(self.key_codec, self.value_codec, self.budget)
-        index = self._deferred_row(start, keys, position)
+        index = self._deferred_row(start, 1, dtype, position)
         if index is None:
             return None
         self._defer(index, start, position)
-        out, self._fp = self._step(queries, keys, values, self.budget.sinks + index, self.rotation.signs,
-                                   self.slots.read(), self._fp, tuple(self._recent), live, scale)  # fmt: skip
-        return out
+        return self._step(self.budget.sinks + index, self.rotation.signs, self.slots.read(), self._fp,
+                          tuple(self._recent), live, scale, self._take)  # fmt: skip
+
+    def _take(self, written) -> None:
+        """The full-precision rows a ``step_call`` wrote, as the cache's."""
+        self._fp = {"fp_keys": written[0], "fp_values": written[1]}
 
     def _defer(self, index: int, start: int, position: int) -> None:
         """Give ring row ``index`` to the deferred token of slot ``start`` (its full-precision copy
@@ -175,7 +178,7 @@ class AuraCache(BufferedSlotCache):
         holds a deferred token encodes the whole ring's at once: step ``ring + 1``."""
         return self.budget.ring + 1
 
-    def _deferred_row(self, start: int, keys: mx.array, position: int) -> int | None:
+    def _deferred_row(self, start: int, tokens: int, dtype: mx.Dtype, position: int) -> int | None:
         """The recent-ring row of a write whose codes ``store`` may leave for later, None for any
         other: one token, bound for a row it takes (the newest position of its row), in the
         dtype the ring keeps or in float32 (whose ring keeps float16).
@@ -185,7 +188,7 @@ class AuraCache(BufferedSlotCache):
         level), by less than the codes' own error, and spares a float32 model's decode step
         its encode (measurements: docs/benchmarks.md,
         "plugins/butter-aura/butter_aura/cache.py")."""
-        if keys.shape[2] != 1 or start < self.budget.sinks or keys.dtype not in (self.fp_dtype, mx.float32):
+        if tokens != 1 or start < self.budget.sinks or dtype not in (self.fp_dtype, mx.float32):
             return None
         index = self.budget.ring_index(start)
         return index if index is not None and position >= self._recent_positions[index] else None
@@ -302,7 +305,7 @@ class AuraCache(BufferedSlotCache):
     def store_and_attend(self, start, keys, values, position, queries, *, scale, mask):
         """A chunk's queries see the chunk's own keys and values as they arrived, not decoded from
         the codes just written (the codes' error would enter prefill attention twice); what came
-        before is decoded once. One token goes through ``decode_step`` where it serves, else
+        before is decoded once. One token goes through ``step_call`` where it serves, else
         ``attention`` (the decode kernel)."""
         if mask is None and keys.shape[2] == 1:
             return super().store_and_attend(start, keys, values, position, queries, scale=scale, mask=mask)

@@ -10,6 +10,7 @@ import pytest
 
 from butter_core import LayerSpec, Window, make_layer_caches
 from butter_core.cache import reference_attention
+from butter_core.compiled import traced
 from butter_core.kernels import backend, executed_by, gpu_backend, recorded_builds, relative_error, standing_in_for_gpu
 from butter_core.kernels.cuda_emulator import emulated_cuda
 from butter_core.kernels.metal_emulator import compiler_available, emulated_metal
@@ -293,7 +294,7 @@ def test_a_decode_step_writes_its_ring_row_and_attends_in_one_call_as_the_calls_
     scale = spec.head_dim**-0.5
 
     with standing_in_for_gpu(), emulated_cuda():
-        attention._traced.cache_clear()
+        attention.step_function.cache_clear()
         encode._traced_encode_into.cache_clear()
         fused, plain = (make_layer_caches(Aura(4, 2), [spec], window)[0] for _ in range(2))
         inner = [getattr(c, "inner", c) for c in (fused, plain)]
@@ -308,9 +309,9 @@ def test_a_decode_step_writes_its_ring_row_and_attends_in_one_call_as_the_calls_
             out_fused, out_plain = (c.update_and_attend(queries, keys, values, scale=scale) for c in (fused, plain))
             assert out_fused.dtype == dtype
             assert mx.array_equal(out_fused, out_plain).item(), step
-        taken = attention._traced(inner[0].key_codec.fields, inner[0].value_codec.fields, inner[0].budget, writes=True,
-                                 scale=scale)
-        assert taken.traces  # the fused cache's steps took the traced write
+        function = attention.step_function(inner[0].key_codec.fields, inner[0].value_codec.fields, inner[0].budget,
+                                           scale)  # fmt: skip
+        assert traced(function).traces  # the fused cache's steps took the traced write
         flushed = encode._traced_encode_into(inner[0].key_codec.fields, inner[0].value_codec.fields,
                                              tuple(inner[0].slots.read(stacked=True)))  # fmt: skip
         # and without a window the traced write of deferred codes (under one, each token's slot and

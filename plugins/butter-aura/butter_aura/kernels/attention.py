@@ -36,12 +36,13 @@ Register budget per lane: ``HEADS * VEC`` query values and as many accumulators
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import mlx.core as mx
 
 from butter_core.plugin_api import (
     Kernel,
+    StepCall,
     compile_by_shape,
     gpu_backend,
     kernel_params,
@@ -581,7 +582,8 @@ class DecodeStep:
     """A cache's decode step where calls are traced (``traces``), for a deferred token (its codes
     written later) bound for full-precision row ``row``: ``decode_step_attention`` (the token
     written into the full-precision rows at that row by the merge kernel, and attention over the
-    result) as one traced call (``AuraCache.decode_step``): two kernels a layer.
+    result) as a ``StepCall`` (``AuraCache.step_call``), which its caller runs traced: two kernels
+    a layer.
 
     Made once per cache, so a step hands over only what changes: no ``StoredLayer`` is made and
     nothing fixed is checked again (the cache's head size is one the kernels serve: ``ops_for``;
@@ -591,32 +593,29 @@ class DecodeStep:
     def __init__(self, key_codec: Codec, value_codec: Codec, budget: FullPrecisionBudget):
         self.budget = budget
         self._fields = key_codec.fields, value_codec.fields
-        self._scale, self._traced = None, None
+        self._scale, self._function = None, None
 
-    def __call__(self, queries: mx.array, keys: mx.array, values: mx.array, row: int, signs: mx.array,
-                 buffers: Mapping[str, mx.array], fp: Mapping[str, mx.array], recent: tuple[int, ...], length: int,
-                 scale: float) -> tuple[mx.array, dict[str, mx.array]]:  # fmt: skip
-        """The output, and the written full-precision arrays (``fp_keys``, ``fp_values``), which
-        replace the cache's (the old ones are the cache's to let go). ``buffers``: the slot buffers by
-        name; ``recent``: the slot each ring row holds, this token's among them (it is read from its
-        row, never from codes)."""
-        if scale != self._scale:  # the scale is a constant of the trace: one input fewer a call
-            self._scale, self._traced = scale, _traced(*self._fields, self.budget, writes=True, scale=scale)
-        out, fp_keys, fp_values = self._traced(
-            queries, keys, values, signs, buffers["key_codes"], buffers["key_scales"], buffers["value_codes"],
-            buffers["value_scales"], fp["fp_keys"], fp["fp_values"], kernel_params(recent, mx.int32),
-            step_params(length, self.budget, *held_range(recent), row),
-        )  # fmt: skip
-        return out, {"fp_keys": fp_keys, "fp_values": fp_values}
+    def __call__(self, row: int, signs: mx.array, buffers: Mapping[str, mx.array], fp: Mapping[str, mx.array],
+                 recent: tuple[int, ...], length: int, scale: float,
+                 take: Callable[[Sequence[mx.array]], None]) -> StepCall:  # fmt: skip
+        """The step's call: its function's outputs are the attention's output and the written
+        ``fp_keys`` and ``fp_values``, which ``take`` gets. ``buffers``: the slot buffers by name;
+        ``recent``: the slot each ring row holds, this token's among them (it is read from its row,
+        never from codes)."""
+        if scale != self._scale:  # the scale is a constant of the function: one input fewer a call
+            self._scale, self._function = scale, step_function(*self._fields, self.budget, scale)
+        inputs = (signs, buffers["key_codes"], buffers["key_scales"], buffers["value_codes"], buffers["value_scales"],
+                  fp["fp_keys"], fp["fp_values"], kernel_params(recent, mx.int32),
+                  step_params(length, self.budget, *held_range(recent), row))  # fmt: skip
+        return StepCall(self._function, inputs, take)
 
 
 @functools.cache
-def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget, writes: bool = False,
-            scale: float | None = None) -> Callable[..., mx.array]:  # fmt: skip
-    """``decode_attention_live`` over a layer's arrays, traced per shape, for one pair of
-    codecs and full-precision budget (named by their fields, so every layer of a model
-    shares it); with ``writes``, writing a token into the full-precision rows as it attends
-    (``DecodeStep``, ``decode_step_attention``), at ``scale`` (a constant of the trace)."""
+def _graph(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget) -> Callable[..., mx.array]:
+    """``decode_attention_live`` over a layer's arrays, for one pair of codecs and full-precision
+    budget (named by their fields, so every layer of a model shares it); with a token's keys and
+    values after the scale, writing it into the full-precision rows as it attends
+    (``decode_step_attention``)."""
     key_codec, value_codec = Codec(*key_fields), Codec(*value_fields)
 
     def graph(queries, signs, key_codes, key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots,
@@ -628,13 +627,28 @@ def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget,
         )
         return decode_attention_live(queries, stored, params, scale, token=token or None)
 
-    if writes:
-        scale_array = kernel_params((scale,), mx.float32)  # made here: a trace keeps what it captures
+    return graph
 
-        def write_then_attend(queries, keys, values, *arrays):
-            return graph(queries, *arrays, scale_array, keys, values)
 
-    return compile_by_shape(write_then_attend if writes else graph)
+@functools.cache
+def _traced(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget) -> Callable[..., mx.array]:
+    """``_graph`` traced per shape (``traced_decode_attention``)."""
+    return compile_by_shape(_graph(key_fields, value_fields, budget))
+
+
+@functools.cache
+def step_function(key_fields: tuple, value_fields: tuple, budget: FullPrecisionBudget,
+                  scale: float) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:  # fmt: skip
+    """``DecodeStep``'s function, one for every layer of a model: ``(queries, keys, values, signs, key_codes,
+    key_scales, value_codes, value_scales, fp_keys, fp_values, recent_slots, params)`` -> the output
+    and the written ``fp_keys`` and ``fp_values``, at ``scale`` (a constant of its traces)."""
+    graph = _graph(key_fields, value_fields, budget)
+    scale_array = kernel_params((scale,), mx.float32)  # made here: a trace keeps what it captures
+
+    def decode_step(queries, keys, values, *arrays):
+        return graph(queries, *arrays, scale_array, keys, values)
+
+    return decode_step
 
 
 def _simt_partials(
