@@ -353,6 +353,8 @@ class SlotCache(AttentionCache):
         (``step_call``), for a caller that traces it with work of its own (a decoder block's decode
         step, ``models.traced``); None where the scheme has none. The token is counted as the call is
         handed out."""
+        if type(self).step_call is SlotCache.step_call:  # a scheme without one (raw): nothing to check or ask
+            return None
         start = self._length
         self._check_write(start, 1)
         call = self.step_call(start, start, start + 1, scale, dtype)
