@@ -81,7 +81,6 @@ def compile_by_shape(fn: Callable[..., mx.array | tuple], keep: int = KEEP, afte
     return call
 
 
-
 @functools.cache
 def traced(fn: Callable[..., tuple]) -> Callable:
     """``compile_by_shape(fn)``, one per function: what runs a scheme's ``StepCall`` (``SlotCache.step_call``),

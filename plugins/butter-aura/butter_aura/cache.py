@@ -201,15 +201,15 @@ class AuraCache(BufferedSlotCache):
             return
         slots = tuple(sorted(self._unencoded))
         self._unencoded = set()
-        rows = ring_rows(self.budget, slots)
+        fp_rows = ring_rows(self.budget, slots)
         encode_into = getattr(self.ops, "encode_into", None)
         if encode_into is not None and traces():
             self.slots.replace(encode_into(
-                self.slots.read(stacked=True), self._fp, kernel_params(rows, mx.int32), kernel_params(slots, mx.int32),
-                self.rotation.signs, self.key_codec, self.value_codec,
+                self.slots.read(stacked=True), self._fp, kernel_params(fp_rows, mx.int32),
+                kernel_params(slots, mx.int32), self.rotation.signs, self.key_codec, self.value_codec,
             ))  # fmt: skip
             return
-        index = mx.array(rows, dtype=mx.int32)
+        index = mx.array(fp_rows, dtype=mx.int32)
         rows = self.encode(mx.take(self._fp["fp_keys"], index, axis=2), mx.take(self._fp["fp_values"], index, axis=2))
         first = 0
         for i in range(1, len(slots) + 1):

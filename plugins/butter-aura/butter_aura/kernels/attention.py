@@ -442,17 +442,13 @@ def live_params(stored: StoredLayer) -> mx.array:
     return slot_params(stored.length, stored.budget, *stored.recent_range())
 
 
-def slot_params(length: int, budget: FullPrecisionBudget, lo: int, hi: int) -> mx.array:
-    """``live_params`` of a layer of ``length`` live slots whose ring holds slots ``[lo, hi]``."""
-    sinks, recent, base, tail = budget.params()
-    return kernel_params((length, sinks, recent, lo, hi, base, tail), mx.int32)
-
-
-def step_params(length: int, budget: FullPrecisionBudget, lo: int, hi: int, row: int) -> mx.array:
-    """``slot_params`` and, eighth, the full-precision row a decode step's token is written into
+def slot_params(length: int, budget: FullPrecisionBudget, lo: int, hi: int, row: int | None = None) -> mx.array:
+    """``live_params`` of a layer of ``length`` live slots whose ring holds slots ``[lo, hi]``; with
+    ``row``, eighth, the full-precision row a decode step's token is written into
     (``decode_step_attention``): one input where two would cost each layer's call more."""
     sinks, recent, base, tail = budget.params()
-    return kernel_params((length, sinks, recent, lo, hi, base, tail, row), mx.int32)
+    written = () if row is None else (row,)
+    return kernel_params((length, sinks, recent, lo, hi, base, tail, *written), mx.int32)
 
 
 def _check_decode(queries: mx.array, stored: StoredLayer) -> None:
@@ -481,7 +477,7 @@ def decode_attention_live(
     plans for every allocated slot); nothing else of the call depends on the step.
 
     With ``token`` (keys and values ``[B, kv_heads, 1, D]``; ``params`` then has an eighth element,
-    the row: ``step_params``), ``decode_step_attention``: the token written into that full-precision
+    the row: ``slot_params``), ``decode_step_attention``: the token written into that full-precision
     row first; returns the output and the written ``fp_keys`` and ``fp_values``."""
     method = _method(method, queries, stored)
     if method == "mma":
@@ -501,7 +497,7 @@ def decode_step_attention(queries: mx.array, keys: mx.array, values: mx.array, r
     (``WRITE_TOKEN``) rather than by two scatters before it. Returns the output and the written
     ``fp_keys`` and ``fp_values``. ``options``: ``decode_attention``'s ``method`` and ``splits``."""
     _check_decode(queries, stored)
-    params = step_params(stored.length, stored.budget, *stored.recent_range(), row)
+    params = slot_params(stored.length, stored.budget, *stored.recent_range(), row)
     return decode_attention_live(queries, stored, params, kernel_params((scale,), mx.float32), token=(keys, values),
                                  **options)  # fmt: skip
 
@@ -606,7 +602,7 @@ class DecodeStep:
             self._scale, self._function = scale, step_function(*self._fields, self.budget, scale)
         inputs = (signs, buffers["key_codes"], buffers["key_scales"], buffers["value_codes"], buffers["value_scales"],
                   fp["fp_keys"], fp["fp_values"], kernel_params(recent, mx.int32),
-                  step_params(length, self.budget, *held_range(recent), row))  # fmt: skip
+                  slot_params(length, self.budget, *held_range(recent), row))  # fmt: skip
         return StepCall(self._function, inputs, take)
 
 
