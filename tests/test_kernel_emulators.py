@@ -70,6 +70,21 @@ TRANSPOSE = Kernel(
     mma=True,
 )
 
+DIVERGENT = Kernel(
+    "test_kernel_emulators_divergent",
+    ["x"],
+    ["out"],
+    """
+  // Half a warp sums while the other half waits at the threadgroup's barrier: neither completes.
+  float v = x[global_idx.x];
+  if (lane_id < 16) {
+    v = bt_warp_sum(v);
+  }
+  BT_BARRIER;
+  out[global_idx.x] = v;
+""",
+)
+
 
 @EMULATORS
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -84,6 +99,15 @@ def test_emulated_warp_reductions_and_shared_memory(emulated, dtype):
     tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[dtype]
     assert mx.allclose(out.astype(mx.float32)[1::2], expected_tops, rtol=tol).item()
     assert mx.allclose(out.astype(mx.float32)[[0, 16]], expected_sums, rtol=tol, atol=tol).item()
+
+
+@pytest.mark.parametrize("emulated", [pytest.param(emulated_metal, id="metal"), pytest.param(emulated_cuda, id="cuda")])
+@NEEDS_COMPILER
+def test_an_emulated_kernel_whose_threads_wait_at_barriers_no_thread_completes_fails_not_hangs(emulated):
+    """A warp reduction in a branch half the warp skips: the emulator says so and exits."""
+    with emulated(), pytest.raises(RuntimeError, match="wait at barriers no other thread will reach"):
+        DIVERGENT(inputs=[mx.ones((32,))], output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                  threadgroup=(32, 1, 1))
 
 
 def _skip_without_tensor_cores(emulated) -> None:

@@ -1,6 +1,6 @@
 // butter_core.kernels.cuda_emulator: the CUDA that butter's dialect and kernels use,
-// emulated in C++20 on the CPU. One OS thread per CUDA thread, blocks one after another;
-// warp shuffles, votes and __syncthreads through std::barrier; __half is _Float16 (GCC
+// emulated in C++20 on the CPU. One fiber per CUDA thread, blocks one after another
+// (emulator_threads.h); warp shuffles, votes and __syncthreads through its barriers; __half is _Float16 (GCC
 // 12+), __nv_bfloat16 rounds to nearest even. __CUDA_ARCH__ is not defined, so kernels'
 // inline PTX takes its portable branch; the dialect's tensor-core vocabulary is replaced
 // by software (cuda_emulator.py).
@@ -51,8 +51,15 @@ template <typename T> inline T min(T a, T b) { return b < a ? b : a; }  // CUDA'
 template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
 namespace cuda { namespace std { template <typename T> using numeric_limits = ::std::numeric_limits<T>; } }
 
-thread_local uint3 threadIdx, blockIdx, blockDim, gridDim;
-thread_local unsigned char* emu_dynamic_shared;
+// The running block's (blocks run one after another), and the running thread's index, from
+// its place in the block.
+inline uint3 blockIdx, blockDim, gridDim;
+inline unsigned char* emu_dynamic_shared;
+inline uint3 emu_thread_idx() {
+  const unsigned t = emu_thread_index();
+  return {t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
+}
+#define threadIdx emu_thread_idx()
 
 template <typename T> inline T __shfl_sync(unsigned, T v, int src) { return emu_exchange(v, static_cast<unsigned>(src)); }
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int mask) { return emu_exchange(v, emu_lane ^ static_cast<unsigned>(mask)); }
@@ -66,11 +73,8 @@ inline void emu_dispatch(uint3 grid, uint3 group, unsigned shared, const std::fu
   const uint3 blocks{(grid.x + group.x - 1) / group.x, (grid.y + group.y - 1) / group.y, (grid.z + group.z - 1) / group.z};
   std::vector<uint4> dynamic((shared + 15) / 16 + 1);
   for (unsigned z = 0; z < blocks.z; ++z) for (unsigned y = 0; y < blocks.y; ++y) for (unsigned x = 0; x < blocks.x; ++x) {
-    emu_run_group(block.x * block.y * block.z, [&](int t) {
-      threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-      blockIdx = {x, y, z}; blockDim = block; gridDim = blocks;
-      emu_dynamic_shared = reinterpret_cast<unsigned char*>(dynamic.data());
-      fn();
-    });
+    blockIdx = {x, y, z}; blockDim = block; gridDim = blocks;
+    emu_dynamic_shared = reinterpret_cast<unsigned char*>(dynamic.data());
+    emu_run_group(block.x * block.y * block.z, [&](int) { fn(); });
   }
 }

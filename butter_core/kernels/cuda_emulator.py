@@ -2,7 +2,7 @@
 
 The CUDA twin of ``metal_emulator``: each kernel call made under ``emulated_cuda()`` is
 rendered from its CUDA header and body, but compiled by the host's C++ compiler against
-``cuda_emulator.h`` (one OS thread per CUDA thread, blocks one after another, warp
+``cuda_emulator.h`` (one fiber per CUDA thread, blocks one after another, warp
 shuffles, votes and ``__syncthreads`` through barriers, ``__shared__`` arrays as statics
 the block shares, dynamic shared memory per block, ``__half`` as ``_Float16``,
 ``__nv_bfloat16`` rounding to nearest even) and run on the call's inputs. The dialect's

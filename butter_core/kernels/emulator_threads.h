@@ -1,20 +1,76 @@
 // What butter_core.kernels' CPU emulators of Metal (metal_emulator.h) and CUDA
-// (cuda_emulator.h) share: a threadgroup's threads as OS threads, run together; warps
-// (simdgroups) of 32 exchanging values through a barrier; the threadgroup's barrier.
+// (cuda_emulator.h) share: a threadgroup's threads as fibers on one OS thread, each run
+// until it waits at a barrier and then the next, in turn; warps (simdgroups) of 32
+// exchanging values through a barrier; the threadgroup's barrier. Fibers rather than OS
+// threads: a barrier of a 1024-thread group then costs a switch per thread, not a wake-up
+// of each of 1024 OS threads sharing a few cores; and the order threads run in is the same
+// on every run.
 #pragma once
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700  // macOS declares the ucontext functions only under it
+#endif
+#include <ucontext.h>
 #include <algorithm>
-#include <barrier>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
-struct EmuWarp { std::barrier<>* bar; uint64_t v[32]; };
-thread_local EmuWarp* emu_warp;
-thread_local std::barrier<>* emu_group;
-thread_local unsigned emu_lane;
+// A barrier of `expected` threads, as std::barrier's arrive_and_wait and arrive_and_drop.
+struct EmuBarrier {
+  int expected;
+  int arrived = 0;
+  uint64_t phase = 0;
+  explicit EmuBarrier(int n) : expected(n) {}
+  void arrive_and_wait();
+  void arrive_and_drop();
+};
+struct EmuWarp { EmuBarrier* bar; uint64_t v[32]; };
+
+// One threadgroup being run: its threads' fibers, its barrier and its warps.
+struct EmuFiber { ucontext_t context; int index = 0; bool done = false; };
+struct EmuGroupRun {
+  ucontext_t scheduler;
+  std::vector<EmuFiber> fibers;
+  EmuBarrier group;
+  std::vector<EmuBarrier> warp_barriers;
+  std::vector<EmuWarp> warps;
+  const std::function<void(int)>* fn;
+  uint64_t arrivals = 0;  // barrier arrivals so far: a turn of every thread without one is a deadlock
+  explicit EmuGroupRun(int threads) : fibers(threads), group(threads) {}
+};
+inline EmuGroupRun* emu_run;  // the threadgroup running now
+inline EmuFiber* emu_fiber;   // its thread running now
+
+// The running thread's place: its index in the threadgroup, lane, warp and group barrier.
+inline int emu_thread_index() { return emu_fiber->index; }
+#define emu_lane (static_cast<unsigned>(emu_thread_index()) % 32u)
+#define emu_warp (&emu_run->warps[emu_thread_index() / 32])
+#define emu_group (&emu_run->group)
+
+// Hand the OS thread to the threadgroup's next thread (back here at this thread's next turn).
+inline void emu_yield() { swapcontext(&emu_fiber->context, &emu_run->scheduler); }
+
+inline void EmuBarrier::arrive_and_wait() {
+  ++emu_run->arrivals;
+  const uint64_t now = phase;
+  if (++arrived == expected) {
+    arrived = 0;
+    ++phase;
+    return;
+  }
+  while (phase == now) emu_yield();
+}
+inline void EmuBarrier::arrive_and_drop() {
+  ++emu_run->arrivals;
+  if (--expected > 0 && arrived == expected) {
+    arrived = 0;
+    ++phase;
+  }
+}
 
 // Lane `src`'s v, for every lane of the warp (each must call it).
 template <typename T> inline T emu_exchange(T v, unsigned src) {
@@ -36,25 +92,52 @@ inline bool emu_any(bool p) {
   return r;
 }
 
-// fn(t) for t = 0 .. threads - 1, each on its own thread, all at once: one threadgroup,
-// its warps and its barrier in place (emu_warp, emu_group, emu_lane); returns when all end.
+constexpr size_t EMU_STACK_BYTES = size_t(1) << 18;  // a thread's stack: its locals and the emulator's calls
+
+inline void emu_fiber_main() {
+  (*emu_run->fn)(emu_thread_index());
+  emu_warp->bar->arrive_and_drop();
+  emu_group->arrive_and_drop();
+  emu_fiber->done = true;
+  swapcontext(&emu_fiber->context, &emu_run->scheduler);  // never resumed
+}
+
+// fn(t) for t = 0 .. threads - 1 as one threadgroup, its warps and its barrier in place
+// (emu_lane, emu_warp, emu_group); returns when all have ended.
 inline void emu_run_group(int threads, const std::function<void(int)>& fn) {
-  std::barrier<> group(threads);
+  static std::vector<std::unique_ptr<char[]>> stacks;  // kept for the next threadgroup
+  while (stacks.size() < static_cast<size_t>(threads)) stacks.emplace_back(new char[EMU_STACK_BYTES]);
+  EmuGroupRun run(threads);
   const int warps = (threads + 31) / 32;
-  std::vector<EmuWarp> ws(warps);
-  std::vector<std::unique_ptr<std::barrier<>>> bars;
+  run.warp_barriers.reserve(warps);
   for (int w = 0; w < warps; ++w) {
-    bars.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - 32 * w)));
-    ws[w].bar = bars.back().get();
+    run.warp_barriers.emplace_back(std::min(32, threads - 32 * w));
+    run.warps.push_back(EmuWarp{&run.warp_barriers.back(), {}});
   }
-  std::vector<std::thread> ts;
+  run.fn = &fn;
   for (int t = 0; t < threads; ++t) {
-    ts.emplace_back([&, t] {
-      emu_lane = t % 32; emu_warp = &ws[t / 32]; emu_group = &group;
-      fn(t);
-      emu_warp->bar->arrive_and_drop();
-      emu_group->arrive_and_drop();
-    });
+    EmuFiber& f = run.fibers[t];
+    f.index = t;
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = stacks[t].get();
+    f.context.uc_stack.ss_size = EMU_STACK_BYTES;
+    f.context.uc_link = &run.scheduler;
+    makecontext(&f.context, emu_fiber_main, 0);
   }
-  for (auto& th : ts) th.join();
+  EmuGroupRun* outer = emu_run;
+  emu_run = &run;
+  for (int alive = threads; alive > 0;) {
+    const uint64_t arrivals = run.arrivals;
+    for (EmuFiber& f : run.fibers) {
+      if (f.done) continue;
+      emu_fiber = &f;
+      swapcontext(&run.scheduler, &f.context);
+      alive -= f.done;
+    }
+    if (alive > 0 && run.arrivals == arrivals) {
+      std::fprintf(stderr, "emulator: %d threads of a threadgroup wait at barriers no other thread will reach\n", alive);
+      std::abort();
+    }
+  }
+  emu_run = outer;
 }

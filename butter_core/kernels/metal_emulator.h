@@ -1,6 +1,6 @@
 // butter_core.kernels.metal_emulator: the Metal that butter's dialect uses, emulated in C++20
-// on the CPU. One OS thread per Metal thread, threadgroups one after another; simdgroup
-// exchanges and threadgroup barriers through std::barrier; half is _Float16 (GCC 12+),
+// on the CPU. One fiber per Metal thread, threadgroups one after another (emulator_threads.h);
+// simdgroup exchanges and threadgroup barriers through its barriers; half is _Float16 (GCC 12+),
 // bfloat16_t rounds to nearest even as Metal 3.1's bfloat. Address spaces mean nothing here.
 #pragma once
 #define BT_EMULATED
@@ -48,8 +48,21 @@ template <typename T> using numeric_limits = std::numeric_limits<T>;
 }  // namespace metal
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 
-thread_local uint3 emu_tg_pos, emu_pos_in_tg, emu_tg_size, emu_tgs, emu_pos;
-thread_local uint emu_index, emu_simd_index;
+// The running threadgroup's attributes (threadgroups run one after another), and the running
+// thread's, from its index in the threadgroup.
+inline uint3 emu_tg_pos, emu_tg_size, emu_tgs, emu_tg_origin;
+inline uint3 emu_thread_pos_in_tg() {
+  const uint t = emu_thread_index();
+  return {t % emu_tg_size.x, (t / emu_tg_size.x) % emu_tg_size.y, t / (emu_tg_size.x * emu_tg_size.y)};
+}
+inline uint3 emu_thread_pos() {
+  const uint3 p = emu_thread_pos_in_tg();
+  return {emu_tg_origin.x + p.x, emu_tg_origin.y + p.y, emu_tg_origin.z + p.z};
+}
+#define emu_pos_in_tg emu_thread_pos_in_tg()
+#define emu_pos emu_thread_pos()
+#define emu_index static_cast<uint>(emu_thread_index())
+#define emu_simd_index static_cast<uint>(emu_thread_index() / 32)
 
 template <typename T> inline T simd_shuffle(T v, ushort src) { return emu_exchange(v, src); }
 template <typename T> inline T simd_shuffle_xor(T v, ushort mask) { return emu_exchange(v, emu_lane ^ mask); }
@@ -72,14 +85,9 @@ inline void emu_dispatch(uint3 grid, uint3 group, const std::function<void()>& f
   for (uint z = 0; z < tgs.z; ++z) for (uint y = 0; y < tgs.y; ++y) for (uint x = 0; x < tgs.x; ++x) {
     // The threadgroup at the grid's edge may be partial (non-uniform dispatch).
     const uint3 size{std::min(group.x, grid.x - x * group.x), std::min(group.y, grid.y - y * group.y), std::min(group.z, grid.z - z * group.z)};
-    emu_run_group(size.x * size.y * size.z, [&](int t) {
-      emu_tg_pos = {x, y, z};
-      emu_pos_in_tg = {t % size.x, (t / size.x) % size.y, t / (size.x * size.y)};
-      emu_tg_size = size; emu_tgs = tgs;
-      emu_pos = {x * group.x + emu_pos_in_tg.x, y * group.y + emu_pos_in_tg.y, z * group.z + emu_pos_in_tg.z};
-      emu_index = t; emu_simd_index = t / 32;
-      fn();
-    });
+    emu_tg_pos = {x, y, z}; emu_tg_size = size; emu_tgs = tgs;
+    emu_tg_origin = {x * group.x, y * group.y, z * group.z};
+    emu_run_group(size.x * size.y * size.z, [&](int) { fn(); });
   }
 }
 // Metal's address spaces mean nothing here (defined last: std::thread is a name).

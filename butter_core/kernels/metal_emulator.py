@@ -2,8 +2,8 @@
 
 ``metal_check`` shows that a Metal build would compile; this shows what it computes. Each
 kernel call made under ``emulated_metal()`` is rendered as MLX would render its Metal
-source, but compiled by the host's C++ compiler against ``metal_emulator.h``: one OS
-thread per Metal thread, threadgroups one after another, ``simd_shuffle``/``simd_sum``/
+source, but compiled by the host's C++ compiler against ``metal_emulator.h``: one fiber
+per Metal thread (``emulator_threads.h``), threadgroups one after another, ``simd_shuffle``/``simd_sum``/
 ``threadgroup_barrier`` through barriers, ``threadgroup`` arrays as statics the
 threadgroup's threads share, ``half`` as ``_Float16`` and ``bfloat16_t`` as Metal 3.1's
 ``bfloat`` (round to nearest even). So the code only Metal runs — the dialect's Metal
