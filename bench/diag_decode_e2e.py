@@ -11,9 +11,13 @@ that takes longer there than alone waits on the GPU, and a ``read`` near zero me
 sets the pace. Then, on the same caches, every layer's attention alone
 (``update_and_attend`` with the model's query heads, all layers built and evaluated as
 one step), and the same on fresh caches filled by ``append`` (``decode_step.py``'s per-layer
-method): a gap between the two says the prefilled caches decode differently.
+method): a gap between the two says the prefilled caches decode differently. ``host probe``
+times a fixed pure-Python loop before and after the decode steps: a virtual machine's CPU
+can run at half its speed for seconds at a time, and a decode step the host sets the pace
+of slows with it (``--instances``: each scheme that many times over, on fresh caches).
 
-Usage: python3 bench/diag_decode_e2e.py [--context 131072] [--kv-cache raw,affine4,aura4v2] [--steps 48] [--slow-steps]
+Usage: python3 bench/diag_decode_e2e.py [--context 131072] [--kv-cache raw,affine4,aura4v2] [--steps 48]
+       [--instances 1] [--slow-steps]
 """
 
 from __future__ import annotations
@@ -50,6 +54,16 @@ def attention_step_ms(caches, q_heads: int, steps: int) -> float:
     return median_ms(times[steps // 4:])
 
 
+def host_probe_ms() -> float:
+    """Milliseconds a fixed pure-Python loop takes here now (median of 9): the host's speed."""
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        sum(i * i for i in range(50_000))
+        times.append(time.perf_counter() - start)
+    return median_ms(times)
+
+
 PIPELINED = ("build", "encode", "read", "step")
 
 
@@ -81,6 +95,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--kv-cache", type=lambda t: t.split(","), default=["raw", "affine4", "aura4v2"])
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--instances", type=int, default=1, help="each scheme this many times, on fresh caches")
     parser.add_argument("--slow-steps", action="store_true", help="also list the steps over 1.5x the median")
     args = parser.parse_args()
     config = QWEN3_1_7B | {"max_position_embeddings": args.context + 1024}
@@ -90,10 +105,10 @@ def main() -> None:
     prompt = mx.random.randint(0, config["vocab_size"], (args.context,), key=mx.random.key(0)).astype(mx.uint32)
     print(f"MLX {mx.__version__}, {mx.device_info().get('device_name', '')}, {time.strftime('%Y-%m-%d')}; context {args.context}")
     print("| scheme | prefill s | peak GiB | build ms | wait ms | step ms | mean step ms | slowest step: which, build + wait ms "
-          "| attention, prefilled caches ms | attention, appended caches ms |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+          "| attention, prefilled caches ms | attention, appended caches ms | host probe ms, before / after |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     piped_rows = []
-    for name in args.kv_cache:
+    for name in [name for name in args.kv_cache for _ in range(args.instances)]:
         engine = Engine(network, LoadOptions(kv_cache=parse_kv_cache(name), max_context_length=args.context + 3 * args.steps + 64))
         warm_up(engine)
         caches = engine.make_layer_caches()
@@ -105,6 +120,7 @@ def main() -> None:
         mx.eval(token)
         prefill = time.perf_counter() - start
         peak = mx.get_peak_memory() / 2**30
+        probe_before = host_probe_ms()
         build, wait, whole = [], [], []
         for _ in range(args.steps):
             start = time.perf_counter()
@@ -114,6 +130,7 @@ def main() -> None:
             done = time.perf_counter()
             build.append(built - start), wait.append(done - built), whole.append(done - start)
         piped = pipelined_steps(engine, caches, token, args.steps)
+        probe_after = host_probe_ms()
         prefilled = attention_step_ms(caches, config["num_attention_heads"], args.steps)
         del caches
         mx.clear_cache()
@@ -135,7 +152,7 @@ def main() -> None:
             print(f"<!-- {name}: steps over 1.5x the median, build + wait ms: {', '.join(slow)} -->")
         print(f"| {name} | {prefill:.2f} | {peak:.1f} | {median_ms(build):.2f} | {median_ms(wait):.2f} | {median_ms(whole):.2f} | "
               f"{1e3 * statistics.fmean(whole):.2f} | {slowest + 1}, {1e3 * build[slowest]:.2f} + {1e3 * wait[slowest]:.2f} | "
-              f"{prefilled:.2f} | {appended:.2f} |", flush=True)  # fmt: skip
+              f"{prefilled:.2f} | {appended:.2f} | {probe_before:.2f} / {probe_after:.2f} |", flush=True)  # fmt: skip
 
     print("\nPipelined, as `Generation` decodes (medians, ms):\n")
     print("| scheme | build | encode | read | step | mean step |")
