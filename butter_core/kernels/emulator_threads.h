@@ -4,11 +4,16 @@
 // exchanging values through a barrier; the threadgroup's barrier. Fibers rather than OS
 // threads: a barrier of a 1024-thread group then costs a switch per thread, not a wake-up
 // of each of 1024 OS threads sharing a few cores; and the order threads run in is the same
-// on every run.
+// on every run. A fiber starts through ucontext (its own stack) and switches through
+// _setjmp/_longjmp, which save no signal mask: swapcontext makes a system call each switch.
 #pragma once
+#if defined(_FORTIFY_SOURCE) && _FORTIFY_SOURCE > 0
+#error "build the emulator with -U_FORTIFY_SOURCE: glibc's checked longjmp refuses to switch stacks"
+#endif
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 700  // macOS declares the ucontext functions only under it
 #endif
+#include <setjmp.h>
 #include <ucontext.h>
 #include <algorithm>
 #include <cstdint>
@@ -31,9 +36,10 @@ struct EmuBarrier {
 struct EmuWarp { EmuBarrier* bar; uint64_t v[32]; };
 
 // One threadgroup being run: its threads' fibers, its barrier and its warps.
-struct EmuFiber { ucontext_t context; int index = 0; bool done = false; };
+struct EmuFiber { ucontext_t context; jmp_buf resume; int index = 0; bool started = false; bool done = false; };
 struct EmuGroupRun {
   ucontext_t scheduler;
+  jmp_buf turn_ended;  // where a thread's turn returns to
   std::vector<EmuFiber> fibers;
   EmuBarrier group;
   std::vector<EmuBarrier> warp_barriers;
@@ -52,7 +58,9 @@ inline int emu_thread_index() { return emu_fiber->index; }
 #define emu_group (&emu_run->group)
 
 // Hand the OS thread to the threadgroup's next thread (back here at this thread's next turn).
-inline void emu_yield() { swapcontext(&emu_fiber->context, &emu_run->scheduler); }
+inline void emu_yield() {
+  if (!_setjmp(emu_fiber->resume)) _longjmp(emu_run->turn_ended, 1);
+}
 
 inline void EmuBarrier::arrive_and_wait() {
   ++emu_run->arrivals;
@@ -99,7 +107,7 @@ inline void emu_fiber_main() {
   emu_warp->bar->arrive_and_drop();
   emu_group->arrive_and_drop();
   emu_fiber->done = true;
-  swapcontext(&emu_fiber->context, &emu_run->scheduler);  // never resumed
+  _longjmp(emu_run->turn_ended, 1);  // never resumed
 }
 
 // fn(t) for t = 0 .. threads - 1 as one threadgroup, its warps and its barrier in place
@@ -131,7 +139,11 @@ inline void emu_run_group(int threads, const std::function<void(int)>& fn) {
     for (EmuFiber& f : run.fibers) {
       if (f.done) continue;
       emu_fiber = &f;
-      swapcontext(&run.scheduler, &f.context);
+      if (!_setjmp(run.turn_ended)) {
+        if (f.started) _longjmp(f.resume, 1);
+        f.started = true;
+        swapcontext(&run.scheduler, &f.context);
+      }
       alive -= f.done;
     }
     if (alive > 0 && run.arrivals == arrivals) {
