@@ -85,6 +85,18 @@ DIVERGENT = Kernel(
 """,
 )
 
+DEEP = Kernel(
+    "test_kernel_emulators_deep",
+    ["x"],
+    ["out"],
+    """
+  // 320 KB of locals: more than an emulated thread's stack (a GPU would spill them to local memory).
+  volatile float big[81920];
+  big[global_idx.x] = x[global_idx.x];
+  out[global_idx.x] = big[global_idx.x];
+""",
+)
+
 
 @EMULATORS
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -108,6 +120,18 @@ def test_an_emulated_kernel_whose_threads_wait_at_barriers_no_thread_completes_f
     with emulated(), pytest.raises(RuntimeError, match="wait at barriers no other thread will reach"):
         DIVERGENT(inputs=[mx.ones((32,))], output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
                   threadgroup=(32, 1, 1))
+
+
+
+@pytest.mark.parametrize("emulated", [pytest.param(emulated_metal, id="metal"), pytest.param(emulated_cuda, id="cuda")])
+@NEEDS_COMPILER
+def test_an_emulated_thread_past_its_stack_faults_and_says_so(emulated):
+    """Each emulated thread's stack has an inaccessible page below it: a thread whose locals
+    outgrow it faults there (the build probes large frames page by page) rather than writing
+    over another thread's stack."""
+    with emulated(), pytest.raises(RuntimeError, match="past its 256 KB stack"):
+        DEEP(inputs=[mx.ones((32,))], output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+             threadgroup=(32, 1, 1))
 
 
 def _skip_without_tensor_cores(emulated) -> None:

@@ -14,7 +14,9 @@
 #define _XOPEN_SOURCE 700  // macOS declares the ucontext functions only under it
 #endif
 #include <setjmp.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -102,6 +104,23 @@ inline bool emu_any(bool p) {
 
 constexpr size_t EMU_STACK_BYTES = size_t(1) << 18;  // a thread's stack: its locals and the emulator's calls
 
+// A fiber's stack, with an inaccessible page below it: a thread that overflows its stack
+// faults there instead of writing over another's.
+struct EmuStack {
+  char* mapping;
+  size_t guard;
+  EmuStack() : guard(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {
+    void* p = mmap(nullptr, guard + EMU_STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) { std::perror("emulator: a thread's stack"); std::abort(); }
+    mapping = static_cast<char*>(p);
+    mprotect(mapping, guard, PROT_NONE);
+  }
+  ~EmuStack() { munmap(mapping, guard + EMU_STACK_BYTES); }
+  EmuStack(const EmuStack&) = delete;
+  EmuStack& operator=(const EmuStack&) = delete;
+  char* base() const { return mapping + guard; }
+};
+
 inline void emu_fiber_main() {
   (*emu_run->fn)(emu_thread_index());
   emu_warp->bar->arrive_and_drop();
@@ -113,8 +132,8 @@ inline void emu_fiber_main() {
 // fn(t) for t = 0 .. threads - 1 as one threadgroup, its warps and its barrier in place
 // (emu_lane, emu_warp, emu_group); returns when all have ended.
 inline void emu_run_group(int threads, const std::function<void(int)>& fn) {
-  static std::vector<std::unique_ptr<char[]>> stacks;  // kept for the next threadgroup
-  while (stacks.size() < static_cast<size_t>(threads)) stacks.emplace_back(new char[EMU_STACK_BYTES]);
+  static std::vector<std::unique_ptr<EmuStack>> stacks;  // kept for the next threadgroup
+  while (stacks.size() < static_cast<size_t>(threads)) stacks.push_back(std::make_unique<EmuStack>());
   EmuGroupRun run(threads);
   const int warps = (threads + 31) / 32;
   run.warp_barriers.reserve(warps);
@@ -127,7 +146,7 @@ inline void emu_run_group(int threads, const std::function<void(int)>& fn) {
     EmuFiber& f = run.fibers[t];
     f.index = t;
     getcontext(&f.context);
-    f.context.uc_stack.ss_sp = stacks[t].get();
+    f.context.uc_stack.ss_sp = stacks[t]->base();
     f.context.uc_stack.ss_size = EMU_STACK_BYTES;
     f.context.uc_link = &run.scheduler;
     makecontext(&f.context, emu_fiber_main, 0);

@@ -175,7 +175,7 @@ def compiled(source: str) -> Path:
         cpp = executable.with_suffix(".cpp")
         cpp.write_text(source)
         partial = executable.with_suffix(".partial")
-        done = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-U_FORTIFY_SOURCE", str(cpp), "-o", str(partial)],
+        done = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-U_FORTIFY_SOURCE", "-fstack-clash-protection", str(cpp), "-o", str(partial)],
                               capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"g++ failed on {cpp}:\n{done.stderr[-4000:]}")
@@ -203,7 +203,8 @@ def execute(launch: Launch, source: str) -> list[mx.array]:
         Path(folder, "launch.txt").write_text(" ".join(map(str, [*launch.grid, *launch.threadgroup, *shapes])))
         done = subprocess.run([str(executable), folder], capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"emulated {launch.build.kernel.name} exited {done.returncode}: {done.stderr[-2000:]}")
+            fault = " (a memory fault: an access out of bounds, or a thread past its 256 KB stack)" if done.returncode == -11 else ""
+            raise RuntimeError(f"emulated {launch.build.kernel.name} exited {done.returncode}{fault}: {done.stderr[-2000:]}")
         return [_from_bytes(Path(folder, f"out{i}").read_bytes(), shape, dtype)
                 for i, (shape, dtype) in enumerate(zip(launch.output_shapes, launch.build.output_dtypes))]
 
