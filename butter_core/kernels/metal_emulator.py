@@ -31,6 +31,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,11 @@ from butter_core.kernels.metal_check import ATTRIBUTES, METAL_TYPES, template_de
 from butter_core.loading.gguf import butter_cache_dir
 
 HEADER = Path(__file__).with_name("metal_emulator.h")
+
+BUILD_FLAGS = ("-std=c++20", "-O1", "-w", "-U_FORTIFY_SOURCE", "-fstack-clash-protection")
+"""How an emulated kernel's program is built: without glibc's checked ``longjmp``, which refuses
+the fibers' switches between stacks, and with large frames probed page by page, so that a
+thread past its stack reaches the guard page below it (``emulator_threads.h``)."""
 
 ATTRIBUTE_VALUES = {
     "threadgroup_position_in_grid": "emu_tg_pos",
@@ -163,11 +169,13 @@ def compiler_available() -> bool:
 
 
 def compiled(source: str) -> Path:
-    """The executable built from ``source`` (g++, C++20), cached by the hash of the source
-    and of the emulators' headers it includes by path (so a changed header rebuilds)."""
+    """The executable built from ``source`` (g++, ``BUILD_FLAGS``), cached by the hash of the source,
+    of the flags and of the emulators' headers it includes by path (so a changed header or flag
+    rebuilds)."""
     folder = butter_cache_dir() / "kernel-emulator"
     folder.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(source.encode())
+    key.update(" ".join(BUILD_FLAGS).encode())
     for header in sorted(HEADER.parent.glob("*.h")):
         key.update(header.read_bytes())
     executable = folder / key.hexdigest()[:24]
@@ -175,8 +183,7 @@ def compiled(source: str) -> Path:
         cpp = executable.with_suffix(".cpp")
         cpp.write_text(source)
         partial = executable.with_suffix(".partial")
-        done = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-U_FORTIFY_SOURCE", "-fstack-clash-protection", str(cpp), "-o", str(partial)],
-                              capture_output=True, text=True)
+        done = subprocess.run(["g++", *BUILD_FLAGS, str(cpp), "-o", str(partial)], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"g++ failed on {cpp}:\n{done.stderr[-4000:]}")
         partial.rename(executable)  # whole or absent: a killed build leaves no executable
@@ -203,7 +210,8 @@ def execute(launch: Launch, source: str) -> list[mx.array]:
         Path(folder, "launch.txt").write_text(" ".join(map(str, [*launch.grid, *launch.threadgroup, *shapes])))
         done = subprocess.run([str(executable), folder], capture_output=True, text=True)
         if done.returncode:
-            fault = " (a memory fault: an access out of bounds, or a thread past its 256 KB stack)" if done.returncode == -11 else ""
+            fault = (" (a memory fault: an access out of bounds, or a thread past its 256 KB stack)"
+                     if done.returncode == -signal.SIGSEGV else "")
             raise RuntimeError(f"emulated {launch.build.kernel.name} exited {done.returncode}{fault}: {done.stderr[-2000:]}")
         return [_from_bytes(Path(folder, f"out{i}").read_bytes(), shape, dtype)
                 for i, (shape, dtype) in enumerate(zip(launch.output_shapes, launch.build.output_dtypes))]
